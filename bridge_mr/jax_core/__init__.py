@@ -1,0 +1,27 @@
+"""Placement-aware MapReduce primitives in plain JAX (usable without torch)."""
+
+from ._api import broadcast as broadcast
+from ._api import map_fn as map_fn
+from ._api import reduce_mean as reduce_mean
+from ._api import reduce_sum as reduce_sum
+from ._api import reduce_weighted_mean as reduce_weighted_mean
+from ._primitives import broadcast_p as broadcast_p
+from ._primitives import mean_p as mean_p
+from ._primitives import sum_p as sum_p
+from ._program import Placement as Placement
+from ._program import current_placement as current_placement
+from ._program import program as program
+
+__all__ = [
+    "Placement",
+    "broadcast",
+    "broadcast_p",
+    "current_placement",
+    "map_fn",
+    "mean_p",
+    "program",
+    "reduce_mean",
+    "reduce_sum",
+    "reduce_weighted_mean",
+    "sum_p",
+]

@@ -1,0 +1,199 @@
+"""The MapReduce API over the active placement: broadcast, map_fn and the reductions.
+
+Semantics follow drjax 0.2.x: placed values carry the placement axis first; `map_fn` unpacks a
+tuple argument into positional arguments; the weighted mean is sum(x·w) / sum(w).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _primitives
+from ._mesh import AnyMesh, abstract, axis_type, placement_mesh
+from ._program import Placement, require_placement
+
+PyTree: TypeAlias = Any
+
+
+def _as_array(leaf: Any, *, argument: str, path: tuple[Any, ...]) -> jax.Array:
+    if isinstance(leaf, jax.Array):
+        return leaf
+    try:
+        return jnp.asarray(leaf)
+    except TypeError as err:
+        raise TypeError(
+            f"{argument}{jax.tree_util.keystr(path)}: expected a JAX array or a value "
+            f"convertible to one; got {type(leaf).__name__}: {leaf!r}. Torch tensors go "
+            "through bridge_mr.broadcast / bridge_mr.map_reduce (the top-level names)."
+        ) from err
+
+
+def _placed_leaves(
+    tree: PyTree, placement: Placement, *, argument: str
+) -> tuple[list[jax.Array], Any]:
+    """Flattens `tree`, checking every leaf carries the placement axis first."""
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = []
+    for path, leaf in path_leaves:
+        array = _as_array(leaf, argument=argument, path=path)
+        if array.ndim == 0 or array.shape[0] != placement.size:
+            got = "a 0-d value" if array.ndim == 0 else f"leading dimension {array.shape[0]}"
+            raise ValueError(
+                f"{argument}{jax.tree_util.keystr(path)}: expected a placed value whose leading "
+                f"dimension is the {placement.name!r} size {placement.size}; got {got} (shape "
+                f"{array.shape}). Place it first with broadcast() or map_fn(), or run under "
+                f"program(placements={{{placement.name!r}: {array.shape[0] if array.ndim else 'n'}"
+                "}) if the size is wrong."
+            )
+        leaves.append(array)
+    return leaves, treedef
+
+
+def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
+    """Places every leaf of `x` at the active placement: a new leading axis of its size.
+
+    With a mesh that has an axis named like the placement (`mesh`, `jax.set_mesh` or the legacy
+    `with mesh:`), the result is sharded along it and the other dimensions keep the sharding of
+    the input.
+    """
+    placement = require_placement("broadcast")
+    mesh = placement_mesh(mesh, placement.name, argument="broadcast(mesh=...)")
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
+    placed = [
+        _primitives.placed_broadcast(
+            _as_array(leaf, argument="broadcast(x)", path=path),
+            placement=placement.name,
+            size=placement.size,
+            mesh=mesh,
+        )
+        for path, leaf in path_leaves
+    ]
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def reduce_sum(x: PyTree) -> PyTree:
+    """Sums every leaf of the placed value `x` over its leading placement axis."""
+    return _reduce(_primitives.placed_sum, x, "reduce_sum")
+
+
+def reduce_mean(x: PyTree) -> PyTree:
+    """Averages every leaf of the placed value `x` over its leading placement axis.
+
+    Integer and bool leaves give the default float dtype.
+    """
+    return _reduce(_primitives.placed_mean, x, "reduce_mean")
+
+
+def _reduce(reduction: Callable[..., jax.Array], x: PyTree, name: str) -> PyTree:
+    placement = require_placement(name)
+    mesh = placement_mesh(None, placement.name, argument=name)
+    leaves, treedef = _placed_leaves(x, placement, argument=f"{name}(x)")
+    reduced = [
+        reduction(leaf, placement=placement.name, size=placement.size, mesh=mesh) for leaf in leaves
+    ]
+    return jax.tree_util.tree_unflatten(treedef, reduced)
+
+
+def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
+    """The weighted mean sum(x·w) / sum(w) over the placement axis, leaf by leaf.
+
+    `w` is either one placed array (shape [n] or broadcastable against each leaf's slices),
+    used for every leaf of `x`, or a pytree with the structure of `x`.
+    """
+    placement = require_placement("reduce_weighted_mean")
+    x_leaves, x_def = _placed_leaves(x, placement, argument="reduce_weighted_mean(x)")
+    w_def = jax.tree_util.tree_structure(w)
+    if w_def.num_leaves == 1 and w_def.num_nodes == 1:
+        (w_leaf,), _ = _placed_leaves(w, placement, argument="reduce_weighted_mean(w)")
+        w_leaves = [w_leaf] * len(x_leaves)
+    elif w_def == x_def:
+        w_leaves, _ = _placed_leaves(w, placement, argument="reduce_weighted_mean(w)")
+    else:
+        raise ValueError(
+            "reduce_weighted_mean(w): expected one placed weight array (shape "
+            f"[{placement.size}]) or a pytree with the structure of x ({x_def}); got {w_def}. "
+            "Pass a single per-client weight vector, or weights shaped like the values."
+        )
+    products = map_fn(
+        lambda xs, ws: [xi * _weight_slice(wi, xi) for xi, wi in zip(xs, ws, strict=True)],
+        (x_leaves, w_leaves),
+    )
+    numerators = reduce_sum(products)
+    denominators = reduce_sum(w_leaves)
+    means = [
+        num / _weight_slice(den, num) for num, den in zip(numerators, denominators, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(x_def, means)
+
+
+def _weight_slice(w: jax.Array, x: jax.Array) -> jax.Array:
+    """Aligns weight `w` against value `x` from the left (a per-client scalar scales all of x)."""
+    if w.ndim > x.ndim:
+        raise ValueError(
+            f"reduce_weighted_mean(w): a weight slice of shape {w.shape} has more dimensions "
+            f"than its value slice {x.shape}; weights must be per-client scalars or shaped like "
+            "the values."
+        )
+    return w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
+
+
+def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
+    """Applies `fn` to each slice of `arg` along the placement axis (a tuple `arg` is unpacked).
+
+    With a mesh that has the placement axis, inputs and outputs are sharded along it and
+    shardings inside `fn` (constraints, `shard_map`, model-parallel layouts) are kept: `fn` is
+    vmapped with the placement as its SPMD axis.
+    """
+    placement = require_placement("map_fn")
+    if not callable(fn):
+        raise TypeError(
+            f"map_fn(fn, arg): fn must be callable (it is applied to each of the "
+            f"{placement.size} {placement.name}' slices); got {type(fn).__name__}: {fn!r}."
+        )
+    mesh = placement_mesh(mesh, placement.name, argument="map_fn(mesh=...)")
+    leaves, treedef = _placed_leaves(arg, placement, argument="map_fn(arg)")
+    arg = jax.tree_util.tree_unflatten(treedef, leaves)
+    args = arg if isinstance(arg, tuple) else (arg,)
+    if mesh is None:
+        return jax.vmap(fn)(*args)
+    if axis_type(mesh, placement.name) == AxisType.Explicit:
+        return _map_explicit(fn, args, mesh, placement.name)
+    return _map_auto(fn, args, mesh, placement.name)
+
+
+def _map_auto(
+    fn: Callable[..., PyTree], args: tuple[Any, ...], mesh: AnyMesh, placement: str
+) -> PyTree:
+    def constrain(x: jax.Array) -> jax.Array:
+        spec = P(placement, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    args = jax.tree.map(constrain, args)
+    result = jax.vmap(fn, spmd_axis_name=placement)(*args)
+    return jax.tree.map(constrain, result)
+
+
+def _map_explicit(
+    fn: Callable[..., PyTree], args: tuple[Any, ...], mesh: AnyMesh, placement: str
+) -> PyTree:
+    target_mesh = abstract(mesh)
+
+    def place(x: jax.Array) -> jax.Array:
+        spec = jax.typeof(x).sharding.spec
+        if spec and spec[0] == placement:
+            return x
+        rest = [None if _uses_axis(s, placement) else s for s in spec[1:]]
+        return jax.sharding.reshard(x, NamedSharding(target_mesh, P(placement, *rest)))
+
+    result = jax.vmap(fn)(*jax.tree.map(place, args))
+    return jax.tree.map(place, result)
+
+
+def _uses_axis(entry: Any, name: str) -> bool:
+    return entry == name or (isinstance(entry, tuple) and name in entry)

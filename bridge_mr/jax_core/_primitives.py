@@ -1,0 +1,202 @@
+"""The three placement primitives: `placed_broadcast`, `placed_sum` and `placed_mean`.
+
+Each takes static params `placement` (axis name), `size` (number of placed values) and `mesh`
+(the mesh that shards the placement axis, or None for unconstrained execution). All three are
+linear: their JVP applies the primitive to the tangent, and the transposes pair them up
+(broadcastᵀ = sum, sumᵀ = broadcast, meanᵀ = broadcast / size), so gradients of programs built
+from them are again programs of these primitives.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir, xla
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._mesh import AnyMesh, abstract, axis_type
+
+
+def _is_explicit(mesh: AnyMesh | None, placement: str) -> bool:
+    return mesh is not None and axis_type(mesh, placement) == AxisType.Explicit
+
+
+def sum_dtype(dtype: np.dtype) -> np.dtype:
+    """Sum keeps the dtype, except bool, which counts (default int dtype)."""
+    if dtype == np.bool_:
+        return jax.dtypes.canonicalize_dtype(np.int64)
+    return dtype
+
+
+def mean_dtype(dtype: np.dtype) -> np.dtype:
+    """Mean keeps inexact dtypes; bool and integers give the default float dtype."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(np.float64)
+
+
+def _check_placed_aval(x: Any, placement: str, size: int, name: str) -> None:
+    if x.ndim == 0 or x.shape[0] != size:
+        raise ValueError(
+            f"{name} reduces over the leading {placement!r} axis of size {size}; got a value of "
+            f"shape {x.shape}."
+        )
+
+
+# --- placed_broadcast -------------------------------------------------------------------------
+
+broadcast_p = jex_core.Primitive("placed_broadcast")
+broadcast_p.def_impl(functools.partial(xla.apply_primitive, broadcast_p))
+
+
+def placed_broadcast(x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+    """Binds `placed_broadcast`: `x` repeated `size` times along a new leading axis."""
+    return broadcast_p.bind(x, placement=placement, size=size, mesh=mesh)
+
+
+def _broadcast_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+    spec = x.sharding.spec
+    if _is_explicit(mesh, placement):
+        sharding = NamedSharding(abstract(mesh), P(placement, *spec))
+    else:
+        sharding = x.sharding.update(spec=P(None, *spec))
+    return x.update(shape=(size, *x.shape), sharding=sharding)
+
+
+broadcast_p.def_abstract_eval(_broadcast_abstract_eval)
+
+
+def _broadcast_lowering_fn(
+    x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None
+) -> jax.Array:
+    shape = (size, *x.shape)
+    if mesh is None:
+        return jnp.broadcast_to(x, shape)
+    if _is_explicit(mesh, placement):
+        spec = P(placement, *jax.typeof(x).sharding.spec)
+        return jnp.broadcast_to(x, shape, out_sharding=NamedSharding(abstract(mesh), spec))
+    # Auto axes: pin only the placement axis; the others keep what propagation gives `x`.
+    spec = P(placement, *([P.UNCONSTRAINED] * x.ndim))
+    return jax.lax.with_sharding_constraint(jnp.broadcast_to(x, shape), NamedSharding(mesh, spec))
+
+
+mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_lowering_fn, multiple_results=False))
+
+
+def _broadcast_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
+    del x  # Unused.
+    return [placed_sum(ct, placement=placement, size=size, mesh=mesh)]
+
+
+ad.deflinear2(broadcast_p, _broadcast_transpose)
+
+
+def _broadcast_batch(
+    args: tuple[jax.Array], dims: tuple[int], *, placement: str, size: int, mesh: Any
+) -> tuple[jax.Array, int]:
+    (x,), (dim,) = args, dims
+    return placed_broadcast(x, placement=placement, size=size, mesh=mesh), dim + 1
+
+
+batching.primitive_batchers[broadcast_p] = _broadcast_batch
+
+
+# --- placed_sum -------------------------------------------------------------------------------
+
+sum_p = jex_core.Primitive("placed_sum")
+sum_p.def_impl(functools.partial(xla.apply_primitive, sum_p))
+
+
+def placed_sum(x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+    """Binds `placed_sum`: the sum over the leading placement axis."""
+    return sum_p.bind(x, placement=placement, size=size, mesh=mesh)
+
+
+def _reduced_aval(x: Any, dtype: np.dtype) -> Any:
+    sharding = x.sharding.update(spec=P(*x.sharding.spec[1:]))
+    weak_type = x.weak_type and dtype == x.dtype
+    return x.update(shape=x.shape[1:], dtype=dtype, weak_type=weak_type, sharding=sharding)
+
+
+def _sum_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+    del mesh  # Unused.
+    _check_placed_aval(x, placement, size, "placed_sum")
+    return _reduced_aval(x, sum_dtype(x.dtype))
+
+
+sum_p.def_abstract_eval(_sum_abstract_eval)
+
+
+def _sum_lowering_fn(x: jax.Array, *, placement: str, size: int, mesh: Any) -> jax.Array:
+    del placement, size, mesh  # Unused.
+    return jnp.sum(x, axis=0, dtype=sum_dtype(x.dtype))
+
+
+mlir.register_lowering(sum_p, mlir.lower_fun(_sum_lowering_fn, multiple_results=False))
+
+
+def _sum_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
+    del x  # Unused.
+    return [placed_broadcast(ct, placement=placement, size=size, mesh=mesh)]
+
+
+ad.deflinear2(sum_p, _sum_transpose)
+
+
+def _reduction_batch(
+    primitive: jex_core.Primitive,
+    args: tuple[jax.Array],
+    dims: tuple[int],
+    **params: Any,
+) -> tuple[jax.Array, int]:
+    (x,), (dim,) = args, dims
+    # Put the batch axis right after the placement axis, which is the leading unbatched axis.
+    x = jnp.moveaxis(x, dim, 1)
+    return primitive.bind(x, **params), 0
+
+
+batching.primitive_batchers[sum_p] = functools.partial(_reduction_batch, sum_p)
+
+
+# --- placed_mean ------------------------------------------------------------------------------
+
+mean_p = jex_core.Primitive("placed_mean")
+mean_p.def_impl(functools.partial(xla.apply_primitive, mean_p))
+
+
+def placed_mean(x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+    """Binds `placed_mean`: the mean over the leading placement axis (ints give floats)."""
+    return mean_p.bind(x, placement=placement, size=size, mesh=mesh)
+
+
+def _mean_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+    del mesh  # Unused.
+    _check_placed_aval(x, placement, size, "placed_mean")
+    return _reduced_aval(x, mean_dtype(x.dtype))
+
+
+mean_p.def_abstract_eval(_mean_abstract_eval)
+
+
+def _mean_lowering_fn(x: jax.Array, *, placement: str, size: int, mesh: Any) -> jax.Array:
+    del placement, size, mesh  # Unused.
+    return jnp.mean(x, axis=0, dtype=mean_dtype(x.dtype))
+
+
+mlir.register_lowering(mean_p, mlir.lower_fun(_mean_lowering_fn, multiple_results=False))
+
+
+def _mean_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
+    del x  # Unused.
+    placed = placed_broadcast(ct, placement=placement, size=size, mesh=mesh)
+    return [placed / np.asarray(size, dtype=placed.dtype)]
+
+
+ad.deflinear2(mean_p, _mean_transpose)
+batching.primitive_batchers[mean_p] = functools.partial(_reduction_batch, mean_p)

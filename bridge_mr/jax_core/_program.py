@@ -1,0 +1,137 @@
+"""The active placement: `program(placements={"clients": n})` and its context variable."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import operator
+import threading
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+from typing_extensions import ParamSpec
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A placement: the name of the placed axis (e.g. "clients") and its size."""
+
+    name: str
+    size: int
+
+
+_ACTIVE: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
+    "bridge_mr_placement", default=None
+)
+
+
+def current_placement() -> Placement | None:
+    """Returns the placement of the innermost active `program`, or None outside any program."""
+    return _ACTIVE.get()
+
+
+def require_placement(caller: str) -> Placement:
+    """Returns the active placement, or raises a RuntimeError naming `caller` and the fix."""
+    placement = _ACTIVE.get()
+    if placement is None:
+        raise RuntimeError(
+            f"bridge_mr.{caller} was called outside any program: it needs to know the placement "
+            "(its name and size). Wrap the code in `with bridge_mr.program(placements="
+            '{"clients": n}):` or decorate the function with '
+            '`@bridge_mr.program(placements={"clients": n})`.'
+        )
+    return placement
+
+
+def _validate_placements(placements: Any) -> Placement:
+    if not isinstance(placements, Mapping):
+        raise TypeError(
+            "program(placements=...) expects a mapping with one entry {name: size}, e.g. "
+            f'{{"clients": 8}}; got {type(placements).__name__}: {placements!r}.'
+        )
+    if len(placements) != 1:
+        raise ValueError(
+            "program(placements=...) expects exactly one placement {name: size}, e.g. "
+            f'{{"clients": 8}}; got {len(placements)} entries: {dict(placements)!r}. '
+            "Nest one program per placement if you need several."
+        )
+    [(name, size)] = placements.items()
+    if not isinstance(name, str) or not name:
+        raise TypeError(
+            "program(placements=...) expects the placement name to be a non-empty str, e.g. "
+            f'"clients"; got {type(name).__name__}: {name!r}.'
+        )
+    try:
+        size_int = operator.index(size)
+    except TypeError:
+        size_int = None
+    if size_int is None or isinstance(size, bool) or size_int <= 0:
+        raise ValueError(
+            f"program(placements=...) expects the size of placement {name!r} to be a positive "
+            f"int (the number of {name}); got {type(size).__name__}: {size!r}."
+        )
+    return Placement(name, size_int)
+
+
+class program:  # Lower-case like a function, as in drjax.
+    """Activates a placement for `broadcast`, `map_fn` and the reductions.
+
+    Use as a decorator or as a context manager::
+
+        @bridge_mr.program(placements={"clients": 8})
+        def fedavg_round(params, data): ...
+
+        with bridge_mr.program(placements={"clients": 8}):
+            placed = bridge_mr.broadcast(params)
+
+    `program(clients=8)` is accepted as a shorthand, as in drjax. The placement lives in a
+    context variable: concurrent threads can run programs with different placements.
+    """
+
+    def __init__(self, placements: Mapping[str, int] | None = None, **kwargs: int) -> None:
+        if placements is not None and kwargs:
+            raise TypeError(
+                "program() takes either placements={name: size} or one keyword name=size, not "
+                f"both; got placements={placements!r} and {kwargs!r}."
+            )
+        self.placement = _validate_placements(kwargs if placements is None else placements)
+        self._tokens = threading.local()
+
+    def __repr__(self) -> str:
+        return f"program(placements={{{self.placement.name!r}: {self.placement.size}}})"
+
+    def __enter__(self) -> Placement:
+        stack = self._tokens.__dict__.setdefault("stack", [])
+        stack.append(_ACTIVE.set(self.placement))
+        return self.placement
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        _ACTIVE.reset(self._tokens.stack.pop())
+
+    def __call__(self, fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        if not callable(fn):
+            raise TypeError(
+                f"{self!r} decorates a callable; got {type(fn).__name__}: {fn!r}. Use it as "
+                "`@program(...)` above a function, or as `with program(...):`."
+            )
+        placement = self.placement
+
+        @functools.wraps(fn)
+        def with_placement(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            token = _ACTIVE.set(placement)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _ACTIVE.reset(token)
+
+        return with_placement
