@@ -42,13 +42,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips `xla`-marked tests where torch_xla is missing (scripts/test.sh runs them in .venv-xla)."""
+    """Skips `xla`-marked tests where torch_xla is missing (scripts/test.sh runs them)."""
     del config  # Unused.
     import importlib.util
 
     if importlib.util.find_spec("torch_xla") is not None:
         return
-    skip = pytest.mark.skip(reason="needs torch_xla: run scripts/test.sh, which tests it in .venv-xla")
+    skip = pytest.mark.skip(
+        reason="needs torch_xla: run scripts/test.sh, which tests it in .venv-xla"
+    )
     for item in items:
         if item.get_closest_marker("xla") is not None:
             item.add_marker(skip)

@@ -70,11 +70,26 @@ def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
             _as_array(leaf, argument="broadcast(x)", path=path),
             placement=placement.name,
             size=placement.size,
-            mesh=mesh,
+            mesh=_explicit_only(mesh, placement.name),
         )
         for path, leaf in path_leaves
     ]
+    if mesh is not None and axis_type(mesh, placement.name) != AxisType.Explicit:
+        placed = [_constrain_placed(leaf, mesh, placement.name) for leaf in placed]
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _explicit_only(mesh: AnyMesh | None, placement: str) -> AnyMesh | None:
+    """The primitives' `mesh` param: only an Explicit placement axis enters the types."""
+    if mesh is None or axis_type(mesh, placement) != AxisType.Explicit:
+        return None
+    return mesh
+
+
+def _constrain_placed(x: jax.Array, mesh: AnyMesh, placement: str) -> jax.Array:
+    """Pins the leading axis to `placement` (Auto mesh); other axes follow propagation."""
+    spec = P(placement, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def reduce_sum(x: PyTree) -> PyTree:
@@ -92,7 +107,7 @@ def reduce_mean(x: PyTree) -> PyTree:
 
 def _reduce(reduction: Callable[..., jax.Array], x: PyTree, name: str) -> PyTree:
     placement = require_placement(name)
-    mesh = placement_mesh(None, placement.name, argument=name)
+    mesh = _explicit_only(placement_mesh(None, placement.name, argument=name), placement.name)
     leaves, treedef = _placed_leaves(x, placement, argument=f"{name}(x)")
     reduced = [
         reduction(leaf, placement=placement.name, size=placement.size, mesh=mesh) for leaf in leaves
@@ -171,8 +186,7 @@ def _map_auto(
     fn: Callable[..., PyTree], args: tuple[Any, ...], mesh: AnyMesh, placement: str
 ) -> PyTree:
     def constrain(x: jax.Array) -> jax.Array:
-        spec = P(placement, *([P.UNCONSTRAINED] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return _constrain_placed(x, mesh, placement)
 
     args = jax.tree.map(constrain, args)
     result = jax.vmap(fn, spmd_axis_name=placement)(*args)

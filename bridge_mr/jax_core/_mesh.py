@@ -14,6 +14,10 @@ AnyMesh: TypeAlias = Mesh | AbstractMesh
 def _ambient_mesh() -> AnyMesh | None:
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty:
+        # The concrete mesh also serves eager (un-jitted) sharding constraints.
+        concrete = _mesh_internal.get_concrete_mesh()
+        if concrete is not None and not concrete.empty and concrete.abstract_mesh == abstract:
+            return concrete
         return abstract
     legacy = _mesh_internal.thread_resources.env.physical_mesh
     return None if legacy.empty else legacy

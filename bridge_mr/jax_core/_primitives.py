@@ -1,7 +1,8 @@
 """The three placement primitives: `placed_broadcast`, `placed_sum` and `placed_mean`.
 
 Each takes static params `placement` (axis name), `size` (number of placed values) and `mesh`
-(the mesh that shards the placement axis, or None for unconstrained execution). All three are
+(a mesh whose Explicit `placement` axis types the placed values, else None). Auto meshes need no
+param: the API adds sharding constraints around the primitives, where `jit` sees them. All three are
 linear: their JVP applies the primitive to the tangent, and the transposes pair them up
 (broadcastᵀ = sum, sumᵀ = broadcast, meanᵀ = broadcast / size), so gradients of programs built
 from them are again programs of these primitives.
@@ -76,14 +77,10 @@ def _broadcast_lowering_fn(
     x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None
 ) -> jax.Array:
     shape = (size, *x.shape)
-    if mesh is None:
-        return jnp.broadcast_to(x, shape)
     if _is_explicit(mesh, placement):
         spec = P(placement, *jax.typeof(x).sharding.spec)
         return jnp.broadcast_to(x, shape, out_sharding=NamedSharding(abstract(mesh), spec))
-    # Auto axes: pin only the placement axis; the others keep what propagation gives `x`.
-    spec = P(placement, *([P.UNCONSTRAINED] * x.ndim))
-    return jax.lax.with_sharding_constraint(jnp.broadcast_to(x, shape), NamedSharding(mesh, spec))
+    return jnp.broadcast_to(x, shape)
 
 
 mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_lowering_fn, multiple_results=False))
