@@ -169,7 +169,7 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
     if not callable(fn):
         raise TypeError(
             f"map_fn(fn, arg): fn must be callable (it is applied to each of the "
-            f"{placement.size} {placement.name}' slices); got {type(fn).__name__}: {fn!r}."
+            f"{placement.size} {placement.name!r} slices); got {type(fn).__name__}: {fn!r}."
         )
     mesh = placement_mesh(mesh, placement.name, argument="map_fn(mesh=...)")
     leaves, treedef = _placed_leaves(arg, placement, argument="map_fn(arg)")
