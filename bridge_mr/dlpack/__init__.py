@@ -1,0 +1,35 @@
+"""Zero-copy exchange of tensors between torch and JAX over DLPack.
+
+`to_jax` / `to_torch` convert pytrees; `import_tensors` / `export_arrays` are their flat-list
+forms for the torch frontend's hot path; `count_conversions` reports conversions and copies.
+
+Zero copy whenever the layout allows it: a compact (contiguous or permuted-dense), 64-byte
+aligned tensor of a dtype both sides share, on the same device. Otherwise exactly one copy,
+counted. 64-bit tensors are never downcast silently when JAX's x64 mode is off.
+
+Aliasing contract:
+
+* A JAX array imported from a torch tensor is a view of it, valid only while nobody writes to
+  the tensor. JAX dispatch is asynchronous: code that runs JAX computations on such views must
+  block on their results (`jax.block_until_ready`) before returning control to code that may
+  mutate the tensors (in-place ops, `resize_`, optimizer steps).
+* A torch tensor exported from a JAX array shares the array's buffer. The torch frontend only
+  exports fresh outputs of jitted computations, so the tensors it returns alias no input.
+* Deleting either side never invalidates the other: each keeps the shared buffer alive.
+"""
+
+from ._export import export_arrays as export_arrays
+from ._export import to_torch as to_torch
+from ._import import import_tensors as import_tensors
+from ._import import to_jax as to_jax
+from ._stats import ConversionStats as ConversionStats
+from ._stats import count_conversions as count_conversions
+
+__all__ = [
+    "ConversionStats",
+    "count_conversions",
+    "export_arrays",
+    "import_tensors",
+    "to_jax",
+    "to_torch",
+]

@@ -1,0 +1,171 @@
+"""JAX arrays -> torch tensors.
+
+A single-device array, or one replica of a fully replicated array, becomes a torch tensor that
+shares its memory: no copy. A sharded array is first gathered onto one device: one counted copy.
+CPU arrays become CPU tensors; arrays on the JAX GPU with local id i become `cuda:i` tensors,
+ordered after the array's producer on torch's current stream.
+
+Aliasing: the tensor shares the array's buffer and keeps it alive, so deleting the array is
+safe. JAX assumes its arrays never change; writing to the tensor in place also changes the
+array (and any JAX view of a torch tensor it came from). The torch frontend exports only fresh
+outputs of a jitted computation, which alias no input, so the tensors it hands to users are
+theirs to mutate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import torch
+from jax._src.array import ArrayImpl
+from jax.sharding import SingleDeviceSharding
+
+from . import _runtime
+from ._stats import ACTIVE, record
+
+_GPU_PLATFORMS = ("gpu", "cuda")
+
+
+def export_arrays(arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
+    """Converts JAX arrays to torch tensors, sharing memory where possible.
+
+    The flat-list entry point of `to_torch`, meant for fresh outputs of a jitted function; the
+    rules are those of `to_torch`.
+
+    Raises:
+      TypeError: an element is not an exportable JAX array (the message names `arrays[i]`).
+    """
+    return _export_all(arrays, _positional_name)
+
+
+def to_torch(tree: Any) -> Any:
+    """Converts every JAX array in a pytree to a torch tensor; other leaves pass through.
+
+    Each array becomes a tensor of the same shape and dtype: CPU arrays on the CPU, arrays on
+    the JAX GPU with local id i on `cuda:i`. Single-device and fully replicated arrays are
+    shared without a copy (a replicated array is read from one replica: the one on torch's
+    current CUDA device if it has one, else the first); a sharded array is gathered onto one
+    device with one counted copy (`count_conversions`). The call returns once the array's
+    producer has finished (CPU) or has been ordered before torch's current stream (CUDA).
+
+    Raises:
+      TypeError: a leaf cannot be exported (a tracer, a deleted or donated array, an array not
+        fully addressable by this process, a TPU array, or a dtype torch lacks); the message
+        names the leaf's path.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+    def name_of(k: int) -> str:
+        path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][positions[k]]
+        return "tree" + jax.tree_util.keystr(path)
+
+    tensors = _export_all([leaves[i] for i in positions], name_of)
+    for i, tensor in zip(positions, tensors, strict=True):
+        leaves[i] = tensor
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _positional_name(index: int) -> str:
+    return f"arrays[{index}]"
+
+
+def _export_all(arrays: Sequence[Any], name_of: Callable[[int], str]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    append = out.append
+    to_tensor = _runtime.array_to_tensor
+    cuda_streams: dict[int, int] = {}
+    for index, array in enumerate(arrays):
+        # Fast path for the common case, a single-device CPU array; anything else (including a
+        # failure here) is redone by `_export_one`, which gathers or explains.
+        try:
+            if type(array) is ArrayImpl:
+                sharding = array.sharding
+                if type(sharding) is SingleDeviceSharding and sharding._device.platform == "cpu":
+                    append(to_tensor(array, None))
+                    continue
+        except Exception:
+            pass
+        append(_export_one(array, name_of, index, cuda_streams))
+    if ACTIVE:
+        record(exports=len(out))
+    return out
+
+
+def _export_one(
+    array: Any, name_of: Callable[[int], str], index: int, cuda_streams: dict[int, int]
+) -> torch.Tensor:
+    single = _single_device_array(array, name_of, index)
+    device = next(iter(single.devices()))
+    if device.platform == "cpu":
+        stream = None
+    elif device.platform in _GPU_PLATFORMS:
+        cuda_index = device.local_hardware_id
+        stream = cuda_streams.get(cuda_index)
+        if stream is None:
+            stream = cuda_streams[cuda_index] = _runtime.torch_stream_pointer(cuda_index)
+    else:
+        raise TypeError(
+            f"{name_of(index)}: expected a JAX array on CPU or GPU, got one on {device}, which "
+            f"DLPack cannot share with torch. Fix: fetch it with jax.device_get and build the "
+            f"tensor with torch.from_numpy, or use the torch-xla frontend on TPU."
+        )
+    try:
+        return _runtime.array_to_tensor(single, stream)
+    except Exception as err:
+        raise TypeError(
+            f"{name_of(index)}: expected a JAX array of a dtype torch supports, got "
+            f"{array.dtype} (torch refused it: {err}). Fix: cast it in JAX first, e.g. "
+            f"x.astype(jnp.float32)."
+        ) from err
+
+
+def _single_device_array(array: Any, name_of: Callable[[int], str], index: int) -> jax.Array:
+    """`array` if it lives on one device, else one replica of it, else a gathered copy."""
+    if isinstance(array, jax.core.Tracer):
+        raise TypeError(
+            f"{name_of(index)}: expected a concrete jax.Array, got a tracer ({array}). "
+            f"Fix: convert results after the jitted/transformed function returns, not inside it."
+        )
+    if not isinstance(array, jax.Array):
+        raise TypeError(
+            f"{name_of(index)}: expected a jax.Array, got {type(array).__module__}."
+            f"{type(array).__qualname__}. Fix: pass JAX arrays only (to_torch passes other "
+            f"leaves through unchanged)."
+        )
+    if array.is_deleted():
+        raise TypeError(
+            f"{name_of(index)}: expected a live jax.Array, got one that was deleted or donated "
+            f"to a jitted function. Fix: export it before donating it, or export the result."
+        )
+    if not array.is_fully_addressable:
+        raise TypeError(
+            f"{name_of(index)}: expected an array this process can read entirely, got one "
+            f"sharded across processes ({array.sharding}). Fix: gather it first, e.g. with "
+            f"jax.experimental.multihost_utils.process_allgather."
+        )
+    sharding = array.sharding
+    if len(sharding.device_set) == 1:
+        return array
+    target = _preferred_device(sharding.addressable_devices)
+    if sharding.is_fully_replicated:
+        for shard in array.addressable_shards:
+            if shard.device == target:
+                return shard.data
+    gathered = jax.device_put(array, target)
+    if ACTIVE:
+        record(copies=1, bytes_copied=gathered.nbytes)
+    return gathered
+
+
+def _preferred_device(devices: Any) -> Any:
+    """torch's current CUDA device if it is among `devices`, else the one with the lowest id."""
+    ordered = sorted(devices, key=lambda d: d.id)
+    if ordered[0].platform in _GPU_PLATFORMS and torch.cuda.is_available():
+        current = torch.cuda.current_device()
+        for device in ordered:
+            if device.local_hardware_id == current:
+                return device
+    return ordered[0]

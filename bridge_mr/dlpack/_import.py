@@ -1,0 +1,253 @@
+"""torch tensors -> JAX arrays.
+
+A compact (row-major or permuted-dense), 64-byte-aligned CPU or CUDA tensor of a supported
+dtype becomes a JAX array that shares its memory: no copy. Any other supported tensor is copied
+once into a fresh contiguous buffer first, and the copy is counted (`count_conversions`).
+
+Aliasing: a shared-memory JAX array is a view of the torch tensor. It is valid only while
+nobody writes to the tensor, and because JAX dispatches asynchronously, a caller that runs JAX
+computations on it must block on their results before returning control to code that may write
+to the tensor (in place, `resize_`, `set_`, or an optimizer step). Deleting either side is safe:
+the JAX array keeps the torch storage alive and vice versa.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import torch
+
+from . import _runtime
+from ._stats import ACTIVE, record
+
+_WIDE = 1  # a 64-bit dtype, which needs JAX's x64 mode
+_COMPLEX = 2  # may carry torch's lazy conjugation bit
+
+#: torch dtypes that cross the boundary unchanged, with the flags above.
+DTYPE_FLAGS: dict[torch.dtype, int] = {
+    torch.bool: 0,
+    torch.uint8: 0,
+    torch.uint16: 0,
+    torch.uint32: 0,
+    torch.uint64: _WIDE,
+    torch.int8: 0,
+    torch.int16: 0,
+    torch.int32: 0,
+    torch.int64: _WIDE,
+    torch.float16: 0,
+    torch.bfloat16: 0,
+    torch.float32: 0,
+    torch.float64: _WIDE,
+    torch.complex64: _COMPLEX,
+    torch.complex128: _WIDE | _COMPLEX,
+}
+
+_NARROW: dict[torch.dtype, torch.dtype] = {
+    torch.uint64: torch.uint32,
+    torch.int64: torch.int32,
+    torch.float64: torch.float32,
+    torch.complex128: torch.complex64,
+}
+
+#: Start-address alignment JAX needs to alias a buffer (it silently copies otherwise on CPU).
+ALIGNMENT = 64
+
+_STRIDED = torch.strided
+_EXPECTED = "a dense (strided) CPU or CUDA torch.Tensor of a dtype JAX supports"
+
+
+def import_tensors(
+    tensors: Sequence[torch.Tensor], *, allow_x64_downcast: bool = False
+) -> list[jax.Array]:
+    """Converts torch tensors to JAX arrays, sharing memory where the layout allows.
+
+    The flat-list entry point of `to_jax` for callers that have already flattened their
+    arguments; the rules are those of `to_jax`.
+
+    Raises:
+      TypeError: an element is not a supported tensor (the message names `tensors[i]`).
+    """
+    return _import_all(tensors, allow_x64_downcast, _positional_name)
+
+
+def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
+    """Converts every torch tensor in a pytree to a JAX array; other leaves pass through.
+
+    Each tensor becomes an array of the same shape and dtype on the matching JAX device
+    (CPU -> the first JAX CPU device, `cuda:i` -> the JAX GPU with local id i). Tensors that
+    require grad are detached. The result shares memory with the tensor when the tensor is
+    compact (contiguous or a permutation of contiguous) and its start is 64-byte aligned;
+    otherwise the tensor is copied once and the copy is counted (`count_conversions`). See the
+    module docstring for how long a shared-memory array stays valid.
+
+    Args:
+      tree: a pytree (dicts, lists, tuples, namedtuples, None) of torch tensors and other leaves.
+      allow_x64_downcast: with JAX's 64-bit mode off, convert 64-bit tensors to the 32-bit
+        dtype (one counted copy) instead of raising.
+
+    Raises:
+      TypeError: a tensor cannot be converted (sparse, quantized, nested, meta, torch-xla,
+        unsupported dtype, or a 64-bit dtype with x64 off); the message names the leaf's path.
+      RuntimeError: a CUDA tensor was given but JAX has no GPU backend.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def name_of(k: int) -> str:
+        return _tree_path(tree, positions[k])
+
+    arrays = _import_all([leaves[i] for i in positions], allow_x64_downcast, name_of)
+    for i, array in zip(positions, arrays, strict=True):
+        leaves[i] = array
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _positional_name(index: int) -> str:
+    return f"tensors[{index}]"
+
+
+def _tree_path(tree: Any, leaf_index: int) -> str:
+    path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][leaf_index]
+    return "tree" + jax.tree_util.keystr(path)
+
+
+def _import_all(
+    tensors: Sequence[Any], allow_x64_downcast: bool, name_of: Callable[[int], str]
+) -> list[jax.Array]:
+    out: list[jax.Array] = []
+    append = out.append
+    to_array = _runtime.capsule_to_array
+    to_capsule = _runtime.tensor_to_capsule
+    cpu = None
+    cuda_ready: dict[int, tuple[Any, int | None]] = {}
+    for index, tensor in enumerate(tensors):
+        # Fast path: anything unusual (including a failure here) is redone by `_import_one`,
+        # which copies where needed or raises an error that names the tensor.
+        try:
+            flags = DTYPE_FLAGS[tensor.dtype]
+            if (
+                to_array is not None
+                and tensor.is_cpu
+                and tensor.layout is _STRIDED
+                and not tensor.data_ptr() % ALIGNMENT
+                and not tensor.is_neg()
+                and not (flags & _COMPLEX and tensor.is_conj())
+                and not (flags & _WIDE and not _runtime.x64_enabled())
+            ):
+                if cpu is None:
+                    cpu = _runtime.jax_device("cpu", 0)
+                append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
+                continue
+        except Exception:
+            pass
+        append(_import_one(tensor, allow_x64_downcast, name_of, index, cuda_ready))
+    if ACTIVE:
+        record(imports=len(out))
+    return out
+
+
+def _import_one(
+    tensor: Any,
+    allow_x64_downcast: bool,
+    name_of: Callable[[int], str],
+    index: int,
+    cuda_ready: dict[int, tuple[Any, int | None]],
+) -> jax.Array:
+    device_type = _check_supported(tensor, name_of, index)
+    dtype = tensor.dtype
+    target = dtype
+    if DTYPE_FLAGS[dtype] & _WIDE and not _runtime.x64_enabled():
+        if not allow_x64_downcast:
+            raise TypeError(
+                f"{name_of(index)}: expected a 32-bit tensor while JAX's 64-bit mode is off, got "
+                f"a {dtype} tensor; bridge_mr never downcasts silently. Fix: enable x64 "
+                f'with jax.config.update("jax_enable_x64", True) at startup, pass '
+                f"allow_x64_downcast=True to convert to {_NARROW[dtype]} (one copy), or cast "
+                f"the tensor yourself with .to({_NARROW[dtype]})."
+            )
+        target = _NARROW[dtype]
+    copied = (
+        target != dtype
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.data_ptr() % ALIGNMENT != 0
+        or not is_compact(tensor.shape, tensor.stride())
+    )
+    if copied:
+        tensor = _fresh_copy(tensor, target)
+    elif tensor.requires_grad:
+        tensor = tensor.detach()
+    if _runtime.capsule_to_array is None:
+        return jax.dlpack.from_dlpack(tensor)
+    if device_type == "cpu":
+        device, stream, dl_device_type = _runtime.jax_device("cpu", 0), None, _runtime.DL_CPU
+    else:
+        cuda_index = tensor.device.index
+        ready = cuda_ready.get(cuda_index)
+        if ready is None or copied:
+            device = _runtime.jax_device("cuda", cuda_index)
+            stream = _runtime.jax_stream_for_imports(device)
+            _runtime.make_jax_stream_wait(cuda_index, stream)
+            ready = cuda_ready[cuda_index] = (device, stream)
+        (device, stream), dl_device_type = ready, _runtime.DL_CUDA
+    return _runtime.capsule_to_array(
+        _runtime.tensor_to_capsule(tensor), device, stream, dl_device_type
+    )
+
+
+def _check_supported(tensor: Any, name_of: Callable[[int], str], index: int) -> str:
+    """Returns the tensor's device type, or raises a TypeError saying what to do instead."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"{name_of(index)}: expected a torch.Tensor, got {type(tensor).__module__}."
+            f"{type(tensor).__qualname__}. Fix: pass tensors only (to_jax passes other leaves "
+            f"through unchanged)."
+        )
+    device_type = tensor.device.type
+    problem, fix = None, None
+    if device_type == "xla":
+        problem = "a torch-xla tensor"
+        fix = (
+            "call bridge_mr through its torch frontend, which embeds the JAX program in the "
+            "torch-xla graph, or move the tensor with .cpu()"
+        )
+    elif device_type == "meta":
+        problem, fix = "a meta tensor (no data)", "materialise it, e.g. with torch.empty_like"
+    elif tensor.is_nested:
+        problem, fix = "a nested tensor", "convert it with .to_padded_tensor(0) or .unbind()"
+    elif tensor.layout is not _STRIDED:
+        problem, fix = f"a tensor with layout {tensor.layout}", "convert it with .to_dense()"
+    elif tensor.is_quantized:
+        problem, fix = f"a quantized {tensor.dtype} tensor", "convert it with .dequantize()"
+    elif tensor.dtype not in DTYPE_FLAGS:
+        problem = f"a {tensor.dtype} tensor"
+        fix = f"cast it to one of {', '.join(str(d) for d in DTYPE_FLAGS)}"
+    elif device_type not in ("cpu", "cuda"):
+        problem, fix = f"a tensor on {tensor.device}", "move it with .cpu()"
+    if problem is not None:
+        raise TypeError(f"{name_of(index)}: expected {_EXPECTED}, got {problem}. Fix: {fix}.")
+    return device_type
+
+
+def is_compact(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether the strides describe a dense buffer in some dimension order (size-1 dims aside)."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides, strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _fresh_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous, freshly allocated (hence aligned) copy, conjugate/negative bits resolved."""
+    with torch.no_grad():
+        out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+        out.copy_(tensor)
+    if ACTIVE:
+        record(copies=1, bytes_copied=out.numel() * out.element_size())
+    return out

@@ -1,0 +1,160 @@
+"""The JAX and torch entry points the converters call, resolved once, plus device lookup.
+
+The fast entry points are the jaxlib and torch functions that `jax.dlpack.from_dlpack`,
+`jax.Array.__dlpack__` and `torch.from_dlpack` themselves call; where the installed jaxlib does
+not offer them in the expected form, the public functions are used instead. Nothing here
+initialises a JAX backend at import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+from jax._src import xla_bridge
+
+DL_CPU = 1  # DLDeviceType.kDLCPU
+DL_CUDA = 2  # DLDeviceType.kDLCUDA
+
+try:
+    from jax._src.lib import _jax as _jaxlib
+    from jax._src.lib import jaxlib_extension_version as _jaxlib_version
+except ImportError:  # jaxlib without the `_jax` extension module name
+    _jaxlib = None
+    _jaxlib_version = 0
+
+_jaxlib_to_array = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
+_jaxlib_to_capsule = getattr(_jaxlib, "buffer_to_dlpack_managed_tensor", None)
+
+
+def _capsule_to_array_5(
+    capsule: Any, device: Any, stream: int | None, dl_device_type: int
+) -> jax.Array:
+    return _jaxlib_to_array(capsule, device, stream, None, dl_device_type)
+
+
+def _capsule_to_array_4(
+    capsule: Any, device: Any, stream: int | None, dl_device_type: int
+) -> jax.Array:
+    del dl_device_type  # Older jaxlib reads it from the capsule.
+    return _jaxlib_to_array(capsule, device, stream, None)
+
+
+#: Wraps a DLPack capsule as a jax.Array on `device` without copying (when the layout allows),
+#: or None where this jaxlib has no such entry point and `jax.dlpack.from_dlpack` must be used.
+capsule_to_array: Callable[[Any, Any, int | None, int], jax.Array] | None
+if _jaxlib_to_array is None:
+    capsule_to_array = None
+elif _jaxlib_version >= 467:  # the version from which jax passes dl_device_type
+    capsule_to_array = _capsule_to_array_5
+else:
+    capsule_to_array = _capsule_to_array_4
+
+
+def _public_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
+    del stream  # torch.from_dlpack asks JAX for the current torch stream itself.
+    return torch.utils.dlpack.from_dlpack(array)
+
+
+def _fast_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
+    return tensor_from_capsule(_jaxlib_to_capsule(array, stream=stream))
+
+
+tensor_to_capsule: Callable[[torch.Tensor], Any] = torch.utils.dlpack.to_dlpack
+tensor_from_capsule: Callable[[Any], torch.Tensor] = getattr(
+    torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack
+)
+
+#: Wraps a single-device jax.Array as a torch tensor without copying. `stream` is the torch
+#: CUDA stream that must wait for the array's producer (None on CPU).
+array_to_tensor: Callable[[jax.Array, int | None], torch.Tensor] = (
+    _public_array_to_tensor if _jaxlib_to_capsule is None else _fast_array_to_tensor
+)
+
+try:
+    from jax._src.config import enable_x64 as _enable_x64_state
+
+    def x64_enabled() -> bool:
+        """Whether JAX 64-bit types are enabled in the current thread and context."""
+        return bool(_enable_x64_state.value)
+
+except ImportError:
+
+    def x64_enabled() -> bool:
+        """Whether JAX 64-bit types are enabled in the current thread and context."""
+        return bool(jax.config.jax_enable_x64)
+
+
+_device_cache: dict[tuple[str, int], Any] = {}
+# The backends dict the cache was filled from: `jax.clear_backends()` replaces that dict.
+_device_cache_owner: list[object] = [None]
+
+
+def jax_device(platform: str, local_id: int) -> Any:
+    """The JAX device of `platform` ("cpu" or "cuda") with the given local hardware id.
+
+    Raises:
+      RuntimeError: JAX has no backend for `platform`, or no such device.
+    """
+    if xla_bridge._backends is not _device_cache_owner[0]:
+        _device_cache.clear()
+        _device_cache_owner[0] = xla_bridge._backends
+    key = (platform, local_id)
+    device = _device_cache.get(key)
+    if device is None:
+        device = _device_cache[key] = _lookup_device(platform, local_id)
+    return device
+
+
+def _lookup_device(platform: str, local_id: int) -> Any:
+    try:
+        backend = xla_bridge.get_backend(platform)
+    except RuntimeError as err:
+        if platform != "cuda":
+            raise
+        cuda = torch.version.cuda or "12"
+        raise RuntimeError(
+            f"bridge_mr.dlpack: a CUDA tensor needs a JAX GPU backend, but JAX has none "
+            f"(jax.devices() = {jax.devices()}; {err}). Install JAX with CUDA support matching "
+            f'torch\'s CUDA {cuda}: pip install -U "jax[cuda{cuda.split(".")[0]}]", or move the '
+            f"tensor to the CPU with .cpu()."
+        ) from None
+    try:
+        return backend.device_from_local_hardware_id(local_id)
+    except Exception as err:  # jaxlib raises its own runtime error type here
+        raise RuntimeError(
+            f"bridge_mr.dlpack: JAX's {platform} backend has no device with local id {local_id} "
+            f"(JAX sees {backend.local_devices()}; {err}). Make torch and JAX see the same "
+            f"devices (the same CUDA_VISIBLE_DEVICES for both)."
+        ) from None
+
+
+def jax_stream_for_imports(device: Any) -> int | None:
+    """The stream on which JAX waits for externally produced buffers of `device`, if any."""
+    try:
+        return device.get_stream_for_external_ready_events()
+    except Exception as err:  # jaxlib's runtime error type; UNIMPLEMENTED means "no stream"
+        if "UNIMPLEMENTED" in str(err):
+            return None
+        raise
+
+
+def torch_stream_pointer(index: int) -> int:
+    """The current torch CUDA stream of device `index`, encoded as the DLPack protocol asks."""
+    pointer = torch.cuda.current_stream(index).cuda_stream
+    return 1 if pointer == 0 else pointer  # 1 is the legacy default stream in DLPack
+
+
+def make_jax_stream_wait(index: int, jax_stream: int | None) -> None:
+    """Makes `jax_stream` wait for the work queued so far on torch's current stream."""
+    if jax_stream is None:
+        torch.cuda.current_stream(index).synchronize()
+        return
+    current = torch.cuda.current_stream(index)
+    if current.cuda_stream == jax_stream:
+        return
+    event = torch.cuda.Event()
+    event.record(current)
+    torch.cuda.ExternalStream(jax_stream, device=index).wait_event(event)
