@@ -1,0 +1,21 @@
+"""The torch frontend: JAX functions and the MapReduce primitives on torch tensors, with autograd."""
+
+from ._function import TorchFunction as TorchFunction
+from ._function import torch_function as torch_function
+from ._map_reduce import map_reduce as map_reduce
+from ._primitives import broadcast as broadcast
+from ._primitives import map_fn as map_fn
+from ._primitives import reduce_mean as reduce_mean
+from ._primitives import reduce_sum as reduce_sum
+from ._primitives import reduce_weighted_mean as reduce_weighted_mean
+
+__all__ = [
+    "TorchFunction",
+    "broadcast",
+    "map_fn",
+    "map_reduce",
+    "reduce_mean",
+    "reduce_sum",
+    "reduce_weighted_mean",
+    "torch_function",
+]

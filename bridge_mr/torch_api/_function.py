@@ -1,0 +1,420 @@
+"""`torch_function`: a JAX function as a differentiable torch function over pytrees of tensors."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from bridge_mr.jax_core import current_placement
+
+from . import _avals
+from ._executor import Runner, runner_for
+
+PyTree = Any
+
+
+class JaxFunction(Protocol):
+    """A JAX function: pytrees of arrays (and static values) in, a pytree of arrays out."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree: ...
+
+
+class _TensorSlot:
+    """Marks where a tensor sat among a call's leaves (the rest are static values)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+_MAX_ENTRIES = 256
+
+
+class TorchFunction:
+    """A JAX function callable on pytrees of torch tensors, differentiable by torch autograd.
+
+    Tensor leaves of the arguments become JAX arrays; every other leaf (a number, a string, a
+    callable, a mesh) is static: it is part of the compile key and must be hashable, so pass a
+    tensor for a value that changes from call to call. Outputs come back as torch tensors in the
+    structure the JAX function returns. Each distinct signature (tree structure, static values,
+    shapes, dtypes, devices, which inputs need gradients, grad mode, active placement) is traced
+    once; `trace_count` says how many JAX traces this function has done so far.
+    """
+
+    def __init__(self, jax_fn: JaxFunction) -> None:
+        if not callable(jax_fn):
+            raise TypeError(
+                f"torch_function(jax_fn) expects a callable JAX function; got "
+                f"{type(jax_fn).__name__}: {jax_fn!r}."
+            )
+        functools.update_wrapper(self, jax_fn, updated=())
+        self._jax_fn = jax_fn
+        self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self._lock = threading.RLock()
+        self._traces = 0
+
+    @property
+    def jax_fn(self) -> JaxFunction:
+        """The wrapped JAX function."""
+        return self._jax_fn
+
+    @property
+    def trace_count(self) -> int:
+        """How many times JAX has traced this function or a program derived from it (its VJP)."""
+        return self._traces
+
+    def __repr__(self) -> str:
+        name = getattr(self._jax_fn, "__qualname__", None) or repr(self._jax_fn)
+        return f"torch_function({name})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        if torch.compiler.is_compiling():
+            # torch.compile cannot trace into JAX: run this call eagerly, between two graphs.
+            return torch.compiler.disable(self._call_leaves)(
+                *jax.tree_util.tree_flatten((args, kwargs))
+            )
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        return self._call_leaves(leaves, treedef)
+
+    def _call_leaves(self, leaves: list[Any], treedef: Any) -> PyTree:
+        grad = torch.is_grad_enabled()
+        tensors: list[torch.Tensor] = []
+        signature = []
+        statics: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+                signature.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
+                statics.append(_TENSOR)
+            else:
+                statics.append(leaf)
+        key = (treedef, tuple(statics), tuple(signature), grad, current_placement())
+        try:
+            entry = self._entries.get(key)
+        except TypeError:
+            raise _static_error(self, treedef, statics, tensors) from None
+        if entry is None:
+            entry = self._entry(key, treedef, statics, tensors, grad)
+        if entry.diff:
+            outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
+        else:
+            outputs, _ = entry.forward(tensors, ())
+        return jax.tree_util.tree_unflatten(entry.out_def, outputs)
+
+    def _entry(
+        self,
+        key: tuple[Any, ...],
+        treedef: Any,
+        statics: list[Any],
+        tensors: list[torch.Tensor],
+        grad: bool,
+    ) -> _Entry:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = _Entry(self, treedef, statics, tensors, grad)
+                if len(self._entries) >= _MAX_ENTRIES:
+                    del self._entries[next(iter(self._entries))]
+                self._entries[key] = entry
+            return entry
+
+    def _count_trace(self) -> None:
+        with self._lock:
+            self._traces += 1
+
+
+def torch_function(jax_fn: JaxFunction) -> TorchFunction:
+    """Wraps a JAX function as a differentiable torch function over pytrees of tensors.
+
+    The JAX function may use the placement primitives (`broadcast`, `map_fn`, `reduce_*`) under
+    `program`. Forward runs one compiled program; for a function whose output is one float
+    scalar (a loss), that program also computes the gradients, which backward only scales;
+    otherwise it returns the VJP residuals and backward runs one compiled VJP. Under
+    `torch.no_grad()`, or when no input requires grad, only the forward program runs.
+    Non-tensor leaves of the arguments are static (hashable, part of the compile key).
+    """
+    return TorchFunction(jax_fn)
+
+
+class _Entry:
+    """One call signature of a TorchFunction: its traced programs and how to read their results."""
+
+    def __init__(
+        self,
+        owner: TorchFunction,
+        treedef: Any,
+        statics: list[Any],
+        tensors: list[torch.Tensor],
+        grad: bool,
+    ) -> None:
+        self.owner = owner
+        self.treedef = treedef
+        self.statics = statics
+        self.tensor_positions = tuple(i for i, s in enumerate(statics) if s is _TENSOR)
+        paths = _leaf_paths(treedef)
+        where = [f"argument {paths[p]}" for p in self.tensor_positions]
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise _device_error(owner, tensors, where)
+        self.device_type = tensors[0].device.type if tensors else "cpu"
+        in_avals = [
+            jax.ShapeDtypeStruct(tuple(t.shape), _avals.jax_dtype(t.dtype, where=w))
+            for t, w in zip(tensors, where, strict=True)
+        ]
+        self.diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
+        for i in self.diff:
+            if tensors[i].dtype.is_complex:
+                raise TypeError(
+                    f"{owner!r}: {where[i]} is a complex tensor that requires grad; JAX and torch "
+                    "use different conventions for complex gradients, so bridge_mr does not "
+                    "differentiate them. Pass real and imaginary parts as two real tensors."
+                )
+        self.out_def: Any = None
+        self.out_avals: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
+        self.fused = False
+        self.res_def: Any = None
+        self.res_avals: list[jax.ShapeDtypeStruct] = []
+        self._backward: Runner | None = None
+        self._vjp_function: TorchFunction | None = None
+
+        program = jax.jit(self._forward_with_vjp if self.diff else self._forward)
+        program.trace(*in_avals)
+        self.n_out = len(self.out_avals)
+        self.float_outputs = tuple(
+            i for i, (_, dtype) in enumerate(self.out_avals) if _avals.is_differentiable(dtype)
+        )
+        self.non_diff_outputs = tuple(
+            i for i in range(self.n_out) if i not in frozenset(self.float_outputs)
+        )
+        n_exported = self.n_out + (len(self.diff) if self.fused else 0)
+        self.forward = runner_for(self.device_type, program, n_exported)
+
+    # Traced JAX functions. Each counts as a trace of the owner.
+
+    def _outputs(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+        leaves = list(self.statics)
+        for position, array in zip(self.tensor_positions, arrays, strict=True):
+            leaves[position] = array
+        args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        result = self.owner.jax_fn(*args, **kwargs)
+        path_leaves, out_def = jax.tree_util.tree_flatten_with_path(result)
+        for path, leaf in path_leaves:
+            if not isinstance(leaf, jax.Array):
+                raise TypeError(
+                    f"{self.owner!r} returned a non-array leaf at output{jax.tree_util.keystr(path)}"
+                    f": expected a JAX array, got {type(leaf).__name__}: {leaf!r}. Return "
+                    "jnp.asarray(value), or pass non-array results outside the function."
+                )
+        out_avals = tuple((tuple(leaf.shape), np.dtype(leaf.dtype)) for _, leaf in path_leaves)
+        for shape, dtype in out_avals:
+            del shape  # Only the dtype needs a torch equivalent here.
+            _avals.torch_dtype(dtype)
+        if self.out_def is not None and (out_def, out_avals) != (self.out_def, self.out_avals):
+            raise ValueError(
+                f"{self.owner!r}: the output tree changed between two traces of the same call "
+                f"signature: first {self.out_def} with {self.out_avals}, now {out_def} with "
+                f"{out_avals}. A JAX function must return the same structure, shapes and dtypes "
+                "for the same inputs; do not branch on Python state that changes between calls."
+            )
+        self.out_def, self.out_avals = out_def, out_avals
+        return [leaf for _, leaf in path_leaves]
+
+    def _with_diff(self, arrays: Sequence[jax.Array], *diff_arrays: jax.Array) -> list[jax.Array]:
+        full = list(arrays)
+        for i, array in zip(self.diff, diff_arrays, strict=True):
+            full[i] = array
+        return self._outputs(full)
+
+    def _forward(self, *arrays: jax.Array) -> list[jax.Array]:
+        self.owner._count_trace()
+        return self._outputs(arrays)
+
+    def _forward_with_vjp(self, *arrays: jax.Array) -> list[jax.Array]:
+        self.owner._count_trace()
+        outputs, vjp = jax.vjp(
+            functools.partial(self._with_diff, arrays), *(arrays[i] for i in self.diff)
+        )
+        if (
+            len(outputs) == 1
+            and outputs[0].shape == ()
+            and _avals.is_differentiable(outputs[0].dtype)
+        ):
+            # A scalar's VJP is linear in its one cotangent: computing the gradient now and
+            # scaling it in backward is exact and keeps no residuals.
+            self.fused = True
+            return [*outputs, *vjp([jnp.ones((), outputs[0].dtype)])]
+        residuals, self.res_def = jax.tree_util.tree_flatten(vjp)
+        self.res_avals = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in residuals]
+        return [*outputs, *residuals]
+
+    def _cotangents(self, float_cotangents: Sequence[jax.Array]) -> list[jax.Array]:
+        given = iter(float_cotangents)
+        return [
+            next(given) if i in self.float_outputs else np.zeros(shape, jax.dtypes.float0)
+            for i, (shape, _) in enumerate(self.out_avals)
+        ]
+
+    def _backward_program(self, *flat: jax.Array) -> list[jax.Array]:
+        self.owner._count_trace()
+        k = len(self.float_outputs)
+        vjp = jax.tree_util.tree_unflatten(self.res_def, flat[k:])
+        return list(vjp(self._cotangents(flat[:k])))
+
+    def _vjp(self, arrays: list[jax.Array], float_cotangents: list[jax.Array]) -> list[jax.Array]:
+        _, vjp = jax.vjp(
+            functools.partial(self._with_diff, arrays), *(arrays[i] for i in self.diff)
+        )
+        return list(vjp(self._cotangents(float_cotangents)))
+
+    # Torch-side backward.
+
+    def backward(self, call: _Call, grad_outputs: Sequence[torch.Tensor]) -> list[Any]:
+        """Gradients for every tensor input of `call` (None where none is needed)."""
+        cotangents = [grad_outputs[i] for i in self.float_outputs]
+        if torch.is_grad_enabled():
+            # create_graph=True: recompute through a torch function of the VJP, which is itself
+            # differentiable, instead of using the saved (constant) residuals.
+            call.check_versions()
+            grads = self.vjp_function()(list(call.tensors), cotangents)
+        elif self.fused:
+            (scale,) = cotangents
+            grads = call.saved
+            if not (scale.device.type == "cpu" and scale.item() == 1.0):
+                grads = [g * scale.to(g.dtype) for g in grads]
+        else:
+            grads, _ = self.backward_runner()(cotangents, call.saved)
+        result: list[Any] = [None] * len(call.tensors)
+        for i, grad in zip(self.diff, grads, strict=True):
+            result[i] = grad
+        return result
+
+    def backward_runner(self) -> Runner:
+        """The compiled VJP over residuals (built at the first backward)."""
+        if self._backward is None:
+            with self.owner._lock:
+                if self._backward is None:
+                    cotangent_avals = [
+                        jax.ShapeDtypeStruct(*self.out_avals[i]) for i in self.float_outputs
+                    ]
+                    program = jax.jit(self._backward_program)
+                    program.trace(*cotangent_avals, *self.res_avals)
+                    self._backward = runner_for(self.device_type, program, len(self.diff))
+        return self._backward
+
+    def vjp_function(self) -> TorchFunction:
+        """The VJP (inputs, cotangents) -> gradients as a torch function of its own."""
+        if self._vjp_function is None:
+            with self.owner._lock:
+                if self._vjp_function is None:
+                    self._vjp_function = TorchFunction(self._vjp)
+        return self._vjp_function
+
+
+class _Call:
+    """One differentiable call: its entry, inputs, and what backward needs from forward."""
+
+    __slots__ = ("entry", "saved", "tensors", "versions")
+
+    def __init__(self, entry: _Entry, tensors: list[torch.Tensor]) -> None:
+        self.entry = entry
+        self.tensors = tensors
+        self.versions = [t._version for t in tensors]
+        self.saved: list[Any] = []
+
+    def check_versions(self) -> None:
+        """Raises if an input changed in place since forward (double backward reads inputs)."""
+        for i, (tensor, version) in enumerate(zip(self.tensors, self.versions, strict=True)):
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"{self.entry.owner!r}: tensor input {i} (shape {tuple(tensor.shape)}) was "
+                    f"modified in place after the call (version {version} -> {tensor._version}); "
+                    "backward with create_graph=True needs the original values. Clone it before "
+                    "modifying it, or run backward first."
+                )
+
+
+class _JaxCall(torch.autograd.Function):
+    """The one autograd node of a TorchFunction call; the first input carries the call state."""
+
+    @staticmethod
+    def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        entry = call.entry
+        exported, carried = entry.forward(tensors, ())
+        n = entry.n_out
+        call.saved = exported[n:] if entry.fused else carried
+        return tuple(exported[:n])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        call = inputs[0]
+        ctx.call = call
+        if call.entry.non_diff_outputs:
+            ctx.mark_non_differentiable(*(output[i] for i in call.entry.non_diff_outputs))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        call = ctx.call
+        return (None, *call.entry.backward(call, grad_outputs))
+
+
+def _leaf_paths(treedef: Any) -> list[str]:
+    """Readable paths ("args[0]['w']") of the leaves of a flattened (args, kwargs) pair."""
+    marker = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+    paths = [""] * treedef.num_leaves
+    for path, index in jax.tree_util.tree_flatten_with_path(marker)[0]:
+        (kind, *rest) = path
+        head = "args" if kind.idx == 0 else "kwargs"
+        paths[index] = head + jax.tree_util.keystr(tuple(rest))
+    return paths
+
+
+def _device_error(owner: TorchFunction, tensors: list[torch.Tensor], where: list[str]) -> Exception:
+    by_device: dict[torch.device, list[str]] = {}
+    for tensor, w in zip(tensors, where, strict=True):
+        by_device.setdefault(tensor.device, []).append(w)
+    listing = "; ".join(f"{device}: {', '.join(ws[:3])}" for device, ws in by_device.items())
+    return ValueError(
+        f"{owner!r} got tensors on different devices in one call ({listing}). One call runs "
+        "on one device: move them with .to(device) first."
+    )
+
+
+def _static_error(
+    owner: TorchFunction, treedef: Any, statics: list[Any], tensors: list[torch.Tensor]
+) -> Exception:
+    paths = _leaf_paths(treedef)
+    for path, leaf in zip(paths, statics, strict=True):
+        if isinstance(leaf, jax.Array):
+            if tensors:
+                return TypeError(
+                    f"{owner!r} got torch tensors and JAX arrays in one call ({path} is a "
+                    f"jax.Array of shape {leaf.shape}). Pass torch tensors only (convert with "
+                    "bridge_mr.dlpack.to_torch), or call the JAX function directly on JAX arrays."
+                )
+            return TypeError(
+                f"{owner!r} got a jax.Array at {path} but no torch tensors: it is a torch "
+                "function. Call the JAX function directly on JAX arrays, or pass torch tensors."
+            )
+        if isinstance(leaf, np.ndarray):
+            return TypeError(
+                f"{owner!r} got a numpy array at {path}; pass it as a torch tensor "
+                "(torch.from_numpy(x)) so it becomes a traced input."
+            )
+        try:
+            hash(leaf)
+        except TypeError:
+            return TypeError(
+                f"{owner!r}: {path} is a {type(leaf).__name__}, which is neither a torch tensor "
+                "nor hashable. Non-tensor arguments are static (part of the compile key) and "
+                "must be hashable; pass a tensor, or a hashable value such as a tuple."
+            )
+    return TypeError(f"{owner!r}: the call's static arguments are not hashable.")

@@ -1,0 +1,73 @@
+"""The placement primitives on torch tensors: broadcast, map_fn and the reductions.
+
+Each accepts pytrees of torch tensors, runs the JAX primitive under the active `program` as one
+compiled, differentiable call, and returns torch tensors. Given no torch tensors, each is the
+JAX-level function itself, so the same names serve JAX code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias, TypeVar
+
+import jax
+import torch
+from jax.sharding import AbstractMesh, Mesh
+
+from bridge_mr import jax_core
+
+from ._function import TorchFunction
+
+PyTree: TypeAlias = Any
+AnyMesh: TypeAlias = Mesh | AbstractMesh
+_R = TypeVar("_R")
+
+_BROADCAST = TorchFunction(jax_core.broadcast)
+_MAP_FN = TorchFunction(jax_core.map_fn)
+_REDUCE_SUM = TorchFunction(jax_core.reduce_sum)
+_REDUCE_MEAN = TorchFunction(jax_core.reduce_mean)
+_REDUCE_WEIGHTED_MEAN = TorchFunction(jax_core.reduce_weighted_mean)
+
+
+def dispatch(
+    torch_fn: TorchFunction, jax_fn: Callable[..., _R], *args: Any, **kwargs: Any
+) -> PyTree | _R:
+    """Runs `torch_fn` if any argument leaf is a torch tensor, else the JAX function."""
+    if any(isinstance(leaf, torch.Tensor) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+        return torch_fn(*args, **kwargs)
+    return jax_fn(*args, **kwargs)
+
+
+def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
+    """Places every leaf of `x` at the active placement: a new leading axis of its size.
+
+    Torch tensors in, torch tensors out (differentiable); see `bridge_mr.jax_core.broadcast`.
+    """
+    return dispatch(_BROADCAST, jax_core.broadcast, x, mesh=mesh)
+
+
+def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
+    """Applies the JAX function `fn` to each slice of `arg` along the placement axis.
+
+    A tuple `arg` is unpacked into positional arguments. Torch tensors in, torch tensors out
+    (differentiable); see `bridge_mr.jax_core.map_fn`.
+    """
+    return dispatch(_MAP_FN, jax_core.map_fn, fn, arg, mesh=mesh)
+
+
+def reduce_sum(x: PyTree) -> PyTree:
+    """Sums every leaf of the placed value `x` over its leading placement axis."""
+    return dispatch(_REDUCE_SUM, jax_core.reduce_sum, x)
+
+
+def reduce_mean(x: PyTree) -> PyTree:
+    """Averages every leaf of the placed value `x` over its leading placement axis."""
+    return dispatch(_REDUCE_MEAN, jax_core.reduce_mean, x)
+
+
+def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
+    """The weighted mean sum(x·w) / sum(w) over the placement axis, leaf by leaf.
+
+    `w` is one placed array (shape [n]) used for every leaf, or a pytree shaped like `x`.
+    """
+    return dispatch(_REDUCE_WEIGHTED_MEAN, jax_core.reduce_weighted_mean, x, w)
