@@ -1,4 +1,4 @@
-"""The torch frontend: JAX functions and the MapReduce primitives on torch tensors, with autograd."""
+"""The torch frontend: JAX functions and MapReduce primitives on torch tensors, with autograd."""
 
 from ._function import TorchFunction as TorchFunction
 from ._function import torch_function as torch_function

@@ -1,4 +1,4 @@
-"""Where a traced program runs: through DLPack for CPU and CUDA tensors, in torch-xla's graph for XLA.
+"""Where a traced program runs: via DLPack for CPU and CUDA tensors, in torch-xla's graph for XLA.
 
 A *program* is a jitted JAX function over a flat list of arrays that returns a flat list of
 arrays. Its inputs are torch tensors followed by *carried* values (results of an earlier program

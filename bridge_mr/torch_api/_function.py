@@ -210,8 +210,9 @@ class _Entry:
         for path, leaf in path_leaves:
             if not isinstance(leaf, jax.Array):
                 raise TypeError(
-                    f"{self.owner!r} returned a non-array leaf at output{jax.tree_util.keystr(path)}"
-                    f": expected a JAX array, got {type(leaf).__name__}: {leaf!r}. Return "
+                    f"{self.owner!r} returned a non-array leaf at "
+                    f"output{jax.tree_util.keystr(path)}: expected a JAX array, got "
+                    f"{type(leaf).__name__}: {leaf!r}. Return "
                     "jnp.asarray(value), or pass non-array results outside the function."
                 )
         out_avals = tuple((tuple(leaf.shape), np.dtype(leaf.dtype)) for _, leaf in path_leaves)
