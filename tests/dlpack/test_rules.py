@@ -1,0 +1,236 @@
+"""Per-case rules: pytrees, grads, conjugate views, x64, unsupported tensors and their errors."""
+
+from __future__ import annotations
+
+import collections
+import re
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from dlpack_cases import WIDE_DTYPES, values
+from helpers import assert_trees_all_close
+
+from bridge_mr import dlpack
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+def test_pytrees_keep_structure_and_pass_other_leaves_through() -> None:
+    weights = torch.randn(3, 2)
+    marker = object()
+    numpy_leaf = np.ones(2)
+    jax_leaf = jnp.ones(2)
+    tree = {
+        "pair": Pair(weights, [torch.arange(4), None]),
+        "other": (marker, 3, "name", numpy_leaf, jax_leaf),
+    }
+    converted = dlpack.to_jax(tree)
+    assert jax.tree.structure(converted) == jax.tree.structure(tree)
+    assert isinstance(converted["pair"], Pair)
+    assert isinstance(converted["pair"].first, jax.Array)
+    assert converted["pair"].second[1] is None
+    assert converted["other"][0] is marker
+    assert converted["other"][3] is numpy_leaf
+    assert converted["other"][4] is jax_leaf
+    assert_trees_all_close(converted["pair"], tree["pair"], rtol=0, atol=0, check_dtype=True)
+
+    back = dlpack.to_torch(converted)
+    assert isinstance(back["pair"].first, torch.Tensor)
+    assert isinstance(back["other"][4], torch.Tensor)
+    assert back["other"][3] is numpy_leaf
+    assert back["pair"].first.data_ptr() == weights.data_ptr()
+    untouched = torch.ones(2)
+    assert dlpack.to_torch({"t": untouched})["t"] is untouched
+
+
+def test_single_leaf_trees() -> None:
+    tensor = torch.arange(3.0)
+    array = dlpack.to_jax(tensor)
+    assert isinstance(array, jax.Array)
+    assert isinstance(dlpack.to_torch(array), torch.Tensor)
+    assert dlpack.to_jax(None) is None
+    assert dlpack.to_torch(None) is None
+
+
+def test_requires_grad_is_detached_without_copy() -> None:
+    leaf = torch.randn(4, 3, requires_grad=True)
+    nonleaf = leaf * 2
+    with dlpack.count_conversions() as stats:
+        arrays = dlpack.import_tensors([leaf, nonleaf, leaf.t()])
+    assert stats.copies == 0
+    assert arrays[0].unsafe_buffer_pointer() == leaf.data_ptr()
+    assert arrays[1].unsafe_buffer_pointer() == nonleaf.data_ptr()
+    assert_trees_all_close(arrays, [leaf, nonleaf, leaf.t()], rtol=0, atol=0)
+
+
+def test_stride_zero_cotangent_from_sum_backward_is_copied_once() -> None:
+    seen = []
+    x = torch.randn(3, 4, requires_grad=True)
+    x.register_hook(lambda grad: seen.append(grad))
+    x.sum().backward()
+    (grad,) = seen
+    assert 0 in grad.stride(), "torch no longer hands a stride-0 cotangent; revisit this test"
+    with dlpack.count_conversions() as stats:
+        (array,) = dlpack.import_tensors([grad])
+    assert (stats.copies, stats.bytes_copied) == (1, 12 * 4)
+    np.testing.assert_array_equal(np.asarray(array), np.ones((3, 4), np.float32))
+
+
+def test_non_compact_requires_grad_is_copied_and_detached() -> None:
+    x = torch.randn(3, 8, requires_grad=True)
+    with dlpack.count_conversions() as stats:
+        array = dlpack.to_jax(x[:, ::2])
+    assert stats.copies == 1
+    assert_trees_all_close(array, x[:, ::2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_conjugate_and_negative_views_are_resolved_by_one_copy(dtype: torch.dtype) -> None:
+    base = values((3, 4), dtype)
+    conj = base.conj()
+    neg_imag = base.conj().imag
+    assert conj.is_conj()
+    assert neg_imag.is_neg()
+    with dlpack.count_conversions() as stats:
+        arrays = dlpack.import_tensors([conj, neg_imag, torch._neg_view(base)])
+    assert stats.copies == 3
+    np.testing.assert_array_equal(np.asarray(arrays[0]), np.conj(base.numpy()))
+    np.testing.assert_array_equal(np.asarray(arrays[1]), -base.numpy().imag)
+    np.testing.assert_array_equal(np.asarray(arrays[2]), -base.numpy())
+
+
+def test_neg_view_of_real_tensor_is_resolved() -> None:
+    base = torch.arange(6.0).reshape(2, 3)
+    with dlpack.count_conversions() as stats:
+        (array,) = dlpack.import_tensors([torch._neg_view(base)])
+    assert stats.copies == 1
+    np.testing.assert_array_equal(np.asarray(array), -base.numpy())
+
+
+def test_misaligned_compact_tensor_is_copied_once_into_aligned_memory() -> None:
+    base = torch.arange(17, dtype=torch.float32)
+    shifted = base[1:]
+    assert shifted.data_ptr() % 64 != 0
+    with dlpack.count_conversions() as stats:
+        (array,) = dlpack.import_tensors([shifted])
+    assert (stats.copies, stats.bytes_copied) == (1, 64)
+    assert array.unsafe_buffer_pointer() % 64 == 0
+    np.testing.assert_array_equal(np.asarray(array), shifted.numpy())
+
+
+@pytest.mark.parametrize("dtype", WIDE_DTYPES, ids=str)
+def test_x64_off_never_downcasts_silently(dtype: torch.dtype) -> None:
+    tensor = values((2, 3), dtype)
+    with jax.enable_x64(False):
+        with pytest.raises(TypeError) as info:
+            dlpack.to_jax({"params": [tensor]})
+        message = str(info.value)
+        assert message.startswith("tree['params'][0]: expected a 32-bit tensor")
+        assert str(dtype) in message
+        assert 'jax.config.update("jax_enable_x64", True)' in message
+        assert "allow_x64_downcast=True" in message
+        with pytest.raises(TypeError, match=re.escape("tensors[1]: expected a 32-bit")):
+            dlpack.import_tensors([torch.ones(2), tensor])
+
+        with dlpack.count_conversions() as stats:
+            array = dlpack.to_jax(tensor, allow_x64_downcast=True)
+        narrow = {8: 4, 16: 8}[tensor.element_size()]
+        assert array.dtype.itemsize == narrow
+        assert (stats.copies, stats.bytes_copied) == (1, 6 * narrow)
+        expected = tensor.numpy().astype(np.asarray(array).dtype)
+        np.testing.assert_array_equal(np.asarray(array), expected)
+    (wide,) = dlpack.import_tensors([tensor])
+    assert wide.dtype.itemsize == tensor.element_size()
+
+
+def _quietly(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`make`, ignoring torch's "prototype"/"beta"/"experimental" UserWarnings."""
+
+    def quiet() -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return make()
+
+    return quiet
+
+
+UNSUPPORTED = {
+    "sparse_coo": (lambda: torch.eye(3).to_sparse(), "layout torch.sparse_coo", ".to_dense()"),
+    "sparse_csr": (
+        _quietly(lambda: torch.eye(3).to_sparse_csr()),
+        "layout torch.sparse_csr",
+        ".to_dense()",
+    ),
+    "quantized": (
+        _quietly(lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)),
+        "quantized torch.qint8",
+        ".dequantize()",
+    ),
+    "nested": (
+        _quietly(lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])),
+        "nested tensor",
+        ".to_padded_tensor(0)",
+    ),
+    "meta": (lambda: torch.ones(3, device="meta"), "meta tensor", "torch.empty_like"),
+    "complex32": (
+        _quietly(lambda: torch.ones(3, dtype=torch.complex32)),
+        "torch.complex32 tensor",
+        "cast it to one of",
+    ),
+    "float8": (lambda: torch.ones(3).to(torch.float8_e4m3fn), "torch.float8_e4m3fn", "cast"),
+}
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_unsupported_tensors_name_the_leaf(name: str) -> None:
+    make, got, fix = UNSUPPORTED[name]
+    tree = {"model": {"layers": [torch.ones(2), make()]}}
+    with pytest.raises(TypeError) as info:
+        dlpack.to_jax(tree)
+    message = str(info.value)
+    assert message.startswith("tree['model']['layers'][1]: expected a dense (strided)")
+    assert got in message
+    assert fix in message.split("Fix:")[1]
+    with pytest.raises(TypeError, match=re.escape("tensors[0]: expected")):
+        dlpack.import_tensors([make()])
+
+
+def test_import_tensors_rejects_non_tensors() -> None:
+    expected = re.escape("tensors[1]: expected a torch.Tensor, got numpy")
+    with pytest.raises(TypeError, match=expected):
+        dlpack.import_tensors([torch.ones(1), np.ones(1)])
+
+
+def test_to_torch_errors_name_the_leaf() -> None:
+    with pytest.raises(TypeError, match=re.escape("tree['k']: expected a concrete jax.Array")):
+        jax.jit(lambda v: dlpack.to_torch({"k": v}))(jnp.ones(2))
+
+    donated = jnp.ones(3) + 1
+    jax.jit(lambda v: v * 2, donate_argnums=0)(donated)
+    with pytest.raises(TypeError, match=re.escape("tree[0]: expected a live jax.Array")):
+        dlpack.to_torch([donated])
+
+    with pytest.raises(TypeError, match=re.escape("arrays[0]: expected a JAX array of a dtype")):
+        dlpack.export_arrays([jnp.zeros(2, jnp.int4)])
+
+    with pytest.raises(TypeError, match=re.escape("arrays[1]: expected a jax.Array, got torch")):
+        dlpack.export_arrays([jnp.zeros(2), torch.zeros(2)])
+
+
+def test_count_conversions_nests_and_stops_counting_on_exit() -> None:
+    with dlpack.count_conversions() as outer:
+        dlpack.to_jax(torch.ones(2))
+        with dlpack.count_conversions() as inner:
+            dlpack.to_torch(dlpack.to_jax(torch.ones(4)[::2]))
+    dlpack.to_jax(torch.ones(4)[::2])
+    assert dataclasses_tuple(outer) == (2, 1, 1, 8)
+    assert dataclasses_tuple(inner) == (1, 1, 1, 8)
+
+
+def dataclasses_tuple(stats: dlpack.ConversionStats) -> tuple[int, int, int, int]:
+    return (stats.imports, stats.exports, stats.copies, stats.bytes_copied)
