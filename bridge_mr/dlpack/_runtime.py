@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import torch
 from jax._src import xla_bridge
+from jax._src.array import ArrayImpl
 
 DL_CPU = 1  # DLDeviceType.kDLCPU
 DL_CUDA = 2  # DLDeviceType.kDLCUDA
@@ -59,7 +60,19 @@ def _public_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tenso
 
 
 def _fast_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
-    return tensor_from_capsule(_jaxlib_to_capsule(array, stream=stream))
+    # The capsule must hold a fresh handle on the buffer, not `array` itself: exporting `array`
+    # directly makes a later `array.delete()` abort the process (jaxlib 0.10 CHECK failure).
+    return tensor_from_capsule(_jaxlib_to_capsule(_fresh_handle(array), stream=stream))
+
+
+_has_replicated_shard = hasattr(ArrayImpl, "_fully_replicated_shard")
+
+
+def _fresh_handle(array: Any) -> Any:
+    """A new single-device jax.Array object on the same buffer as `array`."""
+    if _has_replicated_shard:
+        return array._fully_replicated_shard()
+    return array.addressable_data(0)
 
 
 tensor_to_capsule: Callable[[torch.Tensor], Any] = torch.utils.dlpack.to_dlpack
