@@ -7,6 +7,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
+#: A shape and a dtype.
+Aval = tuple[tuple[int, ...], np.dtype]
+
 _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
     torch.bool: np.dtype(np.bool_),
     torch.uint8: np.dtype(np.uint8),

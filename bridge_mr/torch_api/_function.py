@@ -14,7 +14,7 @@ import torch
 
 from bridge_mr.jax_core import current_placement
 
-from . import _avals
+from . import _avals, _custom_op
 from ._executor import Runner, runner_for
 
 PyTree = Any
@@ -48,9 +48,14 @@ class TorchFunction:
     structure the JAX function returns. Each distinct signature (tree structure, static values,
     shapes, dtypes, devices, which inputs need gradients, grad mode, active placement) is traced
     once; `trace_count` says how many JAX traces this function has done so far.
+
+    With `passthrough_jax=True`, a call whose arguments hold no torch tensor is a plain call of
+    the JAX function (JAX arrays in, JAX arrays out).
     """
 
-    def __init__(self, jax_fn: JaxFunction) -> None:
+    def __init__(
+        self, jax_fn: JaxFunction, *, compilable: bool = False, passthrough_jax: bool = False
+    ) -> None:
         if not callable(jax_fn):
             raise TypeError(
                 f"torch_function(jax_fn) expects a callable JAX function; got "
@@ -58,9 +63,13 @@ class TorchFunction:
             )
         functools.update_wrapper(self, jax_fn, updated=())
         self._jax_fn = jax_fn
+        self._passthrough_jax = passthrough_jax
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._lock = threading.RLock()
         self._traces = 0
+        self.compilable = compilable
+        if compilable:
+            self.uid = _custom_op.register_function(self)
 
     @property
     def jax_fn(self) -> JaxFunction:
@@ -77,15 +86,15 @@ class TorchFunction:
         return f"torch_function({name})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        if self.compilable:
+            return _custom_op.call(self, args, kwargs)
         if torch.compiler.is_compiling():
             # torch.compile cannot trace into JAX: run this call eagerly, between two graphs.
-            return torch.compiler.disable(self._call_leaves)(
-                *jax.tree_util.tree_flatten((args, kwargs))
-            )
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        return self._call_leaves(leaves, treedef)
+            return torch.compiler.disable(self._call)(args, kwargs)
+        return self._call(args, kwargs)
 
-    def _call_leaves(self, leaves: list[Any], treedef: Any) -> PyTree:
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         tensors: list[torch.Tensor] = []
         signature = []
@@ -97,15 +106,21 @@ class TorchFunction:
                 statics.append(_TENSOR)
             else:
                 statics.append(leaf)
+        if not tensors and self._passthrough_jax:
+            return self._jax_fn(*args, **kwargs)
         key = (treedef, tuple(statics), tuple(signature), grad, current_placement())
         try:
             entry = self._entries.get(key)
         except TypeError:
             raise _static_error(self, treedef, statics, tensors) from None
         if entry is None:
-            entry = self._entry(key, treedef, statics, tensors, grad)
+            diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
+            entry = self._entry(key, treedef, statics, tensors, diff)
         if entry.diff:
-            outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
+            if torch._C._are_functorch_transforms_active():
+                outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
+            else:
+                outputs = _apply(_Call(entry, tensors), *tensors)
         else:
             outputs, _ = entry.forward(tensors, ())
         return jax.tree_util.tree_unflatten(entry.out_def, outputs)
@@ -115,24 +130,34 @@ class TorchFunction:
         key: tuple[Any, ...],
         treedef: Any,
         statics: list[Any],
-        tensors: list[torch.Tensor],
-        grad: bool,
+        tensors: Sequence[torch.Tensor],
+        diff: tuple[int, ...],
     ) -> _Entry:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = _Entry(self, treedef, statics, tensors, grad)
+                entry = _Entry(self, treedef, statics, tensors, diff)
                 if len(self._entries) >= _MAX_ENTRIES:
                     del self._entries[next(iter(self._entries))]
                 self._entries[key] = entry
             return entry
+
+    def op_entry(self, tensors: Sequence[torch.Tensor], diff: tuple[int, ...]) -> _Entry:
+        """The entry for a call with these positional tensors, `diff` needing gradients."""
+        treedef = jax.tree_util.tree_structure((tuple(range(len(tensors))), {}))
+        signature = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        key = (treedef, signature, diff)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entry(key, treedef, [_TENSOR] * len(tensors), tensors, diff)
+        return entry
 
     def _count_trace(self) -> None:
         with self._lock:
             self._traces += 1
 
 
-def torch_function(jax_fn: JaxFunction) -> TorchFunction:
+def torch_function(jax_fn: JaxFunction, *, compilable: bool = False) -> TorchFunction:
     """Wraps a JAX function as a differentiable torch function over pytrees of tensors.
 
     The JAX function may use the placement primitives (`broadcast`, `map_fn`, `reduce_*`) under
@@ -141,8 +166,17 @@ def torch_function(jax_fn: JaxFunction) -> TorchFunction:
     otherwise it returns the VJP residuals and backward runs one compiled VJP. Under
     `torch.no_grad()`, or when no input requires grad, only the forward program runs.
     Non-tensor leaves of the arguments are static (hashable, part of the compile key).
+    Under `torch.compile` such a function runs eagerly between graphs (a graph break).
+
+    With `compilable=True` the function is a `torch.library` custom op that `torch.compile`
+    traces, `fullgraph=True` included: it takes tensors as positional arguments only (bind
+    static values with `functools.partial`), the JAX function returns one array or a flat
+    tuple or list of arrays, and the call returns a tensor or a tuple of tensors. Its
+    residuals travel as tensors; `create_graph=True` is not supported there. The JAX function
+    should set its own placement (`@program(...)`): the context of the compiled caller is not
+    seen when the graph runs.
     """
-    return TorchFunction(jax_fn)
+    return TorchFunction(jax_fn, compilable=compilable)
 
 
 class _Entry:
@@ -153,8 +187,8 @@ class _Entry:
         owner: TorchFunction,
         treedef: Any,
         statics: list[Any],
-        tensors: list[torch.Tensor],
-        grad: bool,
+        tensors: Sequence[torch.Tensor],
+        diff: tuple[int, ...],
     ) -> None:
         self.owner = owner
         self.treedef = treedef
@@ -166,11 +200,11 @@ class _Entry:
         if len(devices) > 1:
             raise _device_error(owner, tensors, where)
         self.device_type = tensors[0].device.type if tensors else "cpu"
-        in_avals = [
-            jax.ShapeDtypeStruct(tuple(t.shape), _avals.jax_dtype(t.dtype, where=w))
+        self.in_avals = [
+            (tuple(t.shape), _avals.jax_dtype(t.dtype, where=w))
             for t, w in zip(tensors, where, strict=True)
         ]
-        self.diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
+        self.diff = diff
         for i in self.diff:
             if tensors[i].dtype.is_complex:
                 raise TypeError(
@@ -185,9 +219,11 @@ class _Entry:
         self.res_avals: list[jax.ShapeDtypeStruct] = []
         self._backward: Runner | None = None
         self._vjp_function: TorchFunction | None = None
+        self._op_runners: tuple[Runner, Runner | None] | None = None
+        self.uid = _custom_op.register_entry(self) if owner.compilable else -1
 
-        program = jax.jit(self._forward_with_vjp if self.diff else self._forward)
-        program.trace(*in_avals)
+        self._program = jax.jit(self._forward_with_vjp if self.diff else self._forward)
+        self._program.trace(*(jax.ShapeDtypeStruct(*aval) for aval in self.in_avals))
         self.n_out = len(self.out_avals)
         self.float_outputs = tuple(
             i for i, (_, dtype) in enumerate(self.out_avals) if _avals.is_differentiable(dtype)
@@ -196,7 +232,9 @@ class _Entry:
             i for i in range(self.n_out) if i not in frozenset(self.float_outputs)
         )
         n_exported = self.n_out + (len(self.diff) if self.fused else 0)
-        self.forward = runner_for(self.device_type, program, n_exported)
+        self.forward = runner_for(
+            self.device_type, self._program, self.in_avals, n_exported, self.n_out
+        )
 
     # Traced JAX functions. Each counts as a trace of the owner.
 
@@ -303,13 +341,53 @@ class _Entry:
         if self._backward is None:
             with self.owner._lock:
                 if self._backward is None:
-                    cotangent_avals = [
-                        jax.ShapeDtypeStruct(*self.out_avals[i]) for i in self.float_outputs
-                    ]
-                    program = jax.jit(self._backward_program)
-                    program.trace(*cotangent_avals, *self.res_avals)
-                    self._backward = runner_for(self.device_type, program, len(self.diff))
+                    program = self._traced_backward_program()
+                    self._backward = runner_for(
+                        self.device_type, program, self.cotangent_avals(), len(self.diff), 0
+                    )
         return self._backward
+
+    def cotangent_avals(self) -> list[_avals.Aval]:
+        """Shapes and dtypes of the cotangents backward takes (one per float output)."""
+        return [self.out_avals[i] for i in self.float_outputs]
+
+    def extra_avals(self) -> list[_avals.Aval]:
+        """Shapes and dtypes of what forward computes for backward: gradients or residuals."""
+        if self.fused:
+            return [self.in_avals[i] for i in self.diff]
+        return [(tuple(r.shape), np.dtype(r.dtype)) for r in self.res_avals]
+
+    def _traced_backward_program(self) -> Any:
+        program = jax.jit(self._backward_program)
+        program.trace(
+            *(jax.ShapeDtypeStruct(*aval) for aval in self.cotangent_avals()), *self.res_avals
+        )
+        return program
+
+    def op_runners(self) -> tuple[Runner, Runner | None]:
+        """Runners for the custom-op path, where residuals cross to torch as tensors.
+
+        The first runs forward and exports outputs plus `extra_avals`; the second (None for a
+        fused entry) takes cotangents and residual tensors and returns the gradients.
+        """
+        if self._op_runners is None:
+            with self.owner._lock:
+                if self._op_runners is None:
+                    n_total = self.n_out + len(self.extra_avals())
+                    forward = runner_for(
+                        self.device_type, self._program, self.in_avals, n_total, n_total
+                    )
+                    backward = None
+                    if self.diff and not self.fused:
+                        backward = runner_for(
+                            self.device_type,
+                            self._traced_backward_program(),
+                            [*self.cotangent_avals(), *self.extra_avals()],
+                            len(self.diff),
+                            len(self.diff),
+                        )
+                    self._op_runners = (forward, backward)
+        return self._op_runners
 
     def vjp_function(self) -> TorchFunction:
         """The VJP (inputs, cotangents) -> gradients as a torch function of its own."""
@@ -365,6 +443,11 @@ class _JaxCall(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
         call = ctx.call
         return (None, *call.entry.backward(call, grad_outputs))
+
+
+# Function.apply binds its arguments with inspect.signature on every call (tens of µs); with no
+# functorch transform active it then calls this C++ apply, which we call directly.
+_apply = super(torch.autograd.Function, _JaxCall).apply
 
 
 def _leaf_paths(treedef: Any) -> list[str]:

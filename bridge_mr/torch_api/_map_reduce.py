@@ -10,7 +10,6 @@ from jax.sharding import AbstractMesh, Mesh
 from bridge_mr import jax_core
 
 from ._function import TorchFunction
-from ._primitives import dispatch
 
 PyTree: TypeAlias = Any
 Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
@@ -68,9 +67,7 @@ def map_reduce(
             f"map_reduce(placement=...): expected a non-empty str such as 'clients'; got "
             f"{type(placement).__name__}: {placement!r}."
         )
-    return dispatch(
-        _MAP_REDUCE, map_reduce_program, fn, server, clients, weights, reduce, placement, mesh
-    )
+    return _MAP_REDUCE(fn, server, clients, weights, reduce, placement, mesh)
 
 
 def map_reduce_program(
@@ -95,7 +92,7 @@ def map_reduce_program(
         return jax_core.reduce_weighted_mean(results, weights)
 
 
-_MAP_REDUCE = TorchFunction(map_reduce_program)
+_MAP_REDUCE = TorchFunction(map_reduce_program, passthrough_jax=True)
 
 
 class _ArrayResults:

@@ -8,10 +8,8 @@ JAX-level function itself, so the same names serve JAX code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias
 
-import jax
-import torch
 from jax.sharding import AbstractMesh, Mesh
 
 from bridge_mr import jax_core
@@ -20,22 +18,12 @@ from ._function import TorchFunction
 
 PyTree: TypeAlias = Any
 AnyMesh: TypeAlias = Mesh | AbstractMesh
-_R = TypeVar("_R")
 
-_BROADCAST = TorchFunction(jax_core.broadcast)
-_MAP_FN = TorchFunction(jax_core.map_fn)
-_REDUCE_SUM = TorchFunction(jax_core.reduce_sum)
-_REDUCE_MEAN = TorchFunction(jax_core.reduce_mean)
-_REDUCE_WEIGHTED_MEAN = TorchFunction(jax_core.reduce_weighted_mean)
-
-
-def dispatch(
-    torch_fn: TorchFunction, jax_fn: Callable[..., _R], *args: Any, **kwargs: Any
-) -> PyTree | _R:
-    """Runs `torch_fn` if any argument leaf is a torch tensor, else the JAX function."""
-    if any(isinstance(leaf, torch.Tensor) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
-        return torch_fn(*args, **kwargs)
-    return jax_fn(*args, **kwargs)
+_BROADCAST = TorchFunction(jax_core.broadcast, passthrough_jax=True)
+_MAP_FN = TorchFunction(jax_core.map_fn, passthrough_jax=True)
+_REDUCE_SUM = TorchFunction(jax_core.reduce_sum, passthrough_jax=True)
+_REDUCE_MEAN = TorchFunction(jax_core.reduce_mean, passthrough_jax=True)
+_REDUCE_WEIGHTED_MEAN = TorchFunction(jax_core.reduce_weighted_mean, passthrough_jax=True)
 
 
 def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
@@ -43,7 +31,7 @@ def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
 
     Torch tensors in, torch tensors out (differentiable); see `bridge_mr.jax_core.broadcast`.
     """
-    return dispatch(_BROADCAST, jax_core.broadcast, x, mesh=mesh)
+    return _BROADCAST(x, mesh=mesh)
 
 
 def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
@@ -52,17 +40,17 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
     A tuple `arg` is unpacked into positional arguments. Torch tensors in, torch tensors out
     (differentiable); see `bridge_mr.jax_core.map_fn`.
     """
-    return dispatch(_MAP_FN, jax_core.map_fn, fn, arg, mesh=mesh)
+    return _MAP_FN(fn, arg, mesh=mesh)
 
 
 def reduce_sum(x: PyTree) -> PyTree:
     """Sums every leaf of the placed value `x` over its leading placement axis."""
-    return dispatch(_REDUCE_SUM, jax_core.reduce_sum, x)
+    return _REDUCE_SUM(x)
 
 
 def reduce_mean(x: PyTree) -> PyTree:
     """Averages every leaf of the placed value `x` over its leading placement axis."""
-    return dispatch(_REDUCE_MEAN, jax_core.reduce_mean, x)
+    return _REDUCE_MEAN(x)
 
 
 def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
@@ -70,4 +58,4 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
 
     `w` is one placed array (shape [n]) used for every leaf, or a pytree shaped like `x`.
     """
-    return dispatch(_REDUCE_WEIGHTED_MEAN, jax_core.reduce_weighted_mean, x, w)
+    return _REDUCE_WEIGHTED_MEAN(x, w)
