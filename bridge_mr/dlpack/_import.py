@@ -135,6 +135,7 @@ def _import_all(
                 and not tensor.is_neg()
                 and not (flags & _COMPLEX and tensor.is_conj())
                 and not (flags & _WIDE and not _runtime.x64_enabled())
+                and not ("cpu" in _ROW_MAJOR_ONLY and not tensor.is_contiguous())
             ):
                 if cpu is None:
                     cpu = _runtime.jax_device("cpu", 0)
@@ -175,10 +176,34 @@ def _import_one(
         or tensor.data_ptr() % ALIGNMENT != 0
         or not is_compact(tensor.shape, tensor.stride())
     )
+    permuted = not copied and not tensor.is_contiguous()
+    if permuted and device_type in _ROW_MAJOR_ONLY:
+        copied = True
     if copied:
         tensor = _fresh_copy(tensor, target)
     elif tensor.requires_grad:
         tensor = tensor.detach()
+    try:
+        return _wrap(tensor, device_type, copied, cuda_ready)
+    except Exception:
+        if not permuted or device_type in _ROW_MAJOR_ONLY:
+            raise
+    # This backend refuses permuted-dense layouts: remember that, and copy to row-major.
+    _ROW_MAJOR_ONLY.add(device_type)
+    return _wrap(_fresh_copy(tensor, target), device_type, True, cuda_ready)
+
+
+#: Device types whose JAX backend turned out to accept only row-major DLPack tensors.
+_ROW_MAJOR_ONLY: set[str] = set()
+
+
+def _wrap(
+    tensor: torch.Tensor,
+    device_type: str,
+    after_copy: bool,
+    cuda_ready: dict[int, tuple[Any, int | None]],
+) -> jax.Array:
+    """Shares a compact, aligned tensor of a supported dtype with JAX."""
     if _runtime.capsule_to_array is None:
         return jax.dlpack.from_dlpack(tensor)
     if device_type == "cpu":
@@ -186,7 +211,8 @@ def _import_one(
     else:
         cuda_index = tensor.device.index
         ready = cuda_ready.get(cuda_index)
-        if ready is None or copied:
+        if ready is None or after_copy:
+            # Order JAX's reads after torch's queued writes (the copy just made included).
             device = _runtime.jax_device("cuda", cuda_index)
             stream = _runtime.jax_stream_for_imports(device)
             _runtime.make_jax_stream_wait(cuda_index, stream)

@@ -234,3 +234,50 @@ def test_count_conversions_nests_and_stops_counting_on_exit() -> None:
 
 def dataclasses_tuple(stats: dlpack.ConversionStats) -> tuple[int, int, int, int]:
     return (stats.imports, stats.exports, stats.copies, stats.bytes_copied)
+
+
+def _jax_has_gpu() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(_jax_has_gpu(), reason="JAX has a GPU backend here")
+def test_missing_jax_gpu_backend_error_says_how_to_install() -> None:
+    from bridge_mr.dlpack import _runtime
+
+    with pytest.raises(RuntimeError, match=re.escape("needs a JAX GPU backend")) as info:
+        _runtime.jax_device("cuda", 0)
+    assert 'pip install -U "jax[cuda' in str(info.value)
+    assert ".cpu()" in str(info.value)
+
+
+def test_backend_refusing_permuted_layouts_gets_one_counted_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bridge_mr.dlpack import _import, _runtime
+
+    accepting = _runtime.capsule_to_array
+    refused = []
+
+    def row_major_only(capsule: object, device: object, stream: object, kind: int) -> jax.Array:
+        array = accepting(capsule, device, stream, kind)
+        if array.format.layout.major_to_minor != tuple(range(array.ndim)):
+            refused.append(array.shape)
+            raise RuntimeError("UNIMPLEMENTED: only row-major DLPack tensors")
+        return array
+
+    monkeypatch.setattr(_runtime, "capsule_to_array", row_major_only)
+    monkeypatch.setattr(_import, "_ROW_MAJOR_ONLY", set())
+    transposed = torch.arange(12.0).reshape(3, 4).t()
+    refusals = []
+    for _ in range(2):
+        with dlpack.count_conversions() as stats:
+            (array,) = dlpack.import_tensors([transposed])
+        assert (stats.copies, stats.bytes_copied) == (1, 48)
+        np.testing.assert_array_equal(np.asarray(array), transposed.numpy())
+        refusals.append(len(refused))
+    assert refusals[0] > 0
+    assert refusals[1] == refusals[0]  # the second call knew to copy without asking
+    assert "cpu" in _import._ROW_MAJOR_ONLY

@@ -13,7 +13,9 @@ from bridge_mr import dlpack
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+    return jax.make_mesh(
+        shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=jax.devices("cpu")
+    )
 
 
 def test_fully_replicated_exports_one_replica_without_copy() -> None:
@@ -46,7 +48,7 @@ def test_sharded_is_gathered_with_one_counted_copy(mesh_shape: tuple[int, ...], 
 
 
 def test_single_device_named_sharding_is_zero_copy() -> None:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[3:4]), ("a",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[3:4]), ("a",))
     array = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("a")))
     with dlpack.count_conversions() as stats:
         (tensor,) = dlpack.export_arrays([array])
