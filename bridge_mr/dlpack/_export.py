@@ -76,16 +76,22 @@ def _export_all(arrays: Sequence[Any], name_of: Callable[[int], str]) -> list[to
     out: list[torch.Tensor] = []
     append = out.append
     to_tensor = _runtime.array_to_tensor
-    cuda_streams: dict[int, int] = {}
+    cuda_streams: dict[Any, int] = {}
     for index, array in enumerate(arrays):
-        # Fast path for the common case, a single-device CPU array; anything else (including a
-        # failure here) is redone by `_export_one`, which gathers or explains.
+        # Fast path for single-device CPU and GPU arrays; anything else (including a failure
+        # here) is redone by `_export_one`, which gathers or explains.
         try:
             if type(array) is ArrayImpl:
                 sharding = array.sharding
-                if type(sharding) is SingleDeviceSharding and sharding._device.platform == "cpu":
-                    append(to_tensor(array, None))
-                    continue
+                if type(sharding) is SingleDeviceSharding:
+                    device = sharding._device
+                    if device.platform == "cpu":
+                        append(to_tensor(array, None))
+                        continue
+                    stream = cuda_streams.get(device)
+                    if stream is not None:
+                        append(to_tensor(array, stream))
+                        continue
         except Exception:
             pass
         append(_export_one(array, name_of, index, cuda_streams))
@@ -95,17 +101,17 @@ def _export_all(arrays: Sequence[Any], name_of: Callable[[int], str]) -> list[to
 
 
 def _export_one(
-    array: Any, name_of: Callable[[int], str], index: int, cuda_streams: dict[int, int]
+    array: Any, name_of: Callable[[int], str], index: int, cuda_streams: dict[Any, int]
 ) -> torch.Tensor:
     single = _single_device_array(array, name_of, index)
     device = next(iter(single.devices()))
     if device.platform == "cpu":
         stream = None
     elif device.platform in _GPU_PLATFORMS:
-        cuda_index = device.local_hardware_id
-        stream = cuda_streams.get(cuda_index)
+        stream = cuda_streams.get(device)
         if stream is None:
-            stream = cuda_streams[cuda_index] = _runtime.torch_stream_pointer(cuda_index)
+            stream = _runtime.torch_stream_pointer(device.local_hardware_id)
+            cuda_streams[device] = stream
     else:
         raise TypeError(
             f"{name_of(index)}: expected a JAX array on CPU or GPU, got one on {device}, which "

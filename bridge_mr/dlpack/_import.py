@@ -129,18 +129,25 @@ def _import_all(
             flags = DTYPE_FLAGS[tensor.dtype]
             if (
                 to_array is not None
-                and tensor.is_cpu
                 and tensor.layout is _STRIDED
                 and not tensor.data_ptr() % ALIGNMENT
                 and not tensor.is_neg()
                 and not (flags & _COMPLEX and tensor.is_conj())
                 and not (flags & _WIDE and not _runtime.x64_enabled())
-                and not ("cpu" in _ROW_MAJOR_ONLY and not tensor.is_contiguous())
             ):
-                if cpu is None:
-                    cpu = _runtime.jax_device("cpu", 0)
-                append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
-                continue
+                if tensor.is_cpu:
+                    if "cpu" not in _ROW_MAJOR_ONLY or tensor.is_contiguous():
+                        if cpu is None:
+                            cpu = _runtime.jax_device("cpu", 0)
+                        append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
+                        continue
+                elif tensor.is_cuda and ("cuda" not in _ROW_MAJOR_ONLY or tensor.is_contiguous()):
+                    cuda_index = tensor.get_device()
+                    device, stream = cuda_ready.get(cuda_index) or _cuda_ready(
+                        cuda_index, cuda_ready
+                    )
+                    append(to_array(to_capsule(tensor), device, stream, _runtime.DL_CUDA))
+                    continue
         except Exception:
             pass
         append(_import_one(tensor, allow_x64_downcast, name_of, index, cuda_ready))
@@ -212,15 +219,25 @@ def _wrap(
         cuda_index = tensor.device.index
         ready = cuda_ready.get(cuda_index)
         if ready is None or after_copy:
-            # Order JAX's reads after torch's queued writes (the copy just made included).
-            device = _runtime.jax_device("cuda", cuda_index)
-            stream = _runtime.jax_stream_for_imports(device)
-            _runtime.make_jax_stream_wait(cuda_index, stream)
-            ready = cuda_ready[cuda_index] = (device, stream)
+            ready = _cuda_ready(cuda_index, cuda_ready)
         (device, stream), dl_device_type = ready, _runtime.DL_CUDA
     return _runtime.capsule_to_array(
         _runtime.tensor_to_capsule(tensor), device, stream, dl_device_type
     )
+
+
+def _cuda_ready(
+    cuda_index: int, cuda_ready: dict[int, tuple[Any, int | None]]
+) -> tuple[Any, int | None]:
+    """Orders JAX's reads on GPU `cuda_index` after all torch work queued there so far.
+
+    Returns (and records in `cuda_ready`) the JAX device and the stream to hand to it.
+    """
+    device = _runtime.jax_device("cuda", cuda_index)
+    stream = _runtime.jax_stream_for_imports(device)
+    _runtime.make_jax_stream_wait(cuda_index, stream)
+    ready = cuda_ready[cuda_index] = (device, stream)
+    return ready
 
 
 def _check_supported(tensor: Any, name_of: Callable[[int], str], index: int) -> str:

@@ -97,7 +97,7 @@ def test_import_waits_for_pending_torch_work_on_a_side_stream() -> None:
 def test_export_orders_torch_after_the_jax_producer() -> None:
     matrix = jax.device_put(jnp.full((2048, 2048), 1e-4, jnp.float32), _gpu(0))
     slow = jax.jit(lambda m: jnp.tanh(m @ m @ m @ m @ m @ m) + 1)
-    expected = torch.from_numpy(np.asarray(slow(matrix)))
+    expected = torch.tensor(np.asarray(slow(matrix)))
     side = torch.cuda.Stream()
     for _ in range(3):
         with torch.cuda.stream(side):
