@@ -24,19 +24,19 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=-reduce"
 ).strip()
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
 
-from bridge_mr import jax_core  # noqa: E402
-from bridge_mr.torch_api import map_reduce, torch_function  # noqa: E402
+from bridge_mr import jax_core
+from bridge_mr.torch_api import map_reduce, torch_function
 
 Params = dict[str, Any]
 
@@ -63,7 +63,10 @@ def make_case(clients: int, width: int, batch: int, seed: int = 0) -> tuple[Para
         "w2": rng.normal(size=(width, 1)) / np.sqrt(width),
         "b2": np.zeros(1),
     }
-    data = {"x": rng.normal(size=(clients, batch, width)), "y": rng.normal(size=(clients, batch, 1))}
+    data = {
+        "x": rng.normal(size=(clients, batch, width)),
+        "y": rng.normal(size=(clients, batch, 1)),
+    }
     as32 = lambda tree: {k: v.astype(np.float32) for k, v in tree.items()}
     return as32(params), as32(data)
 
@@ -146,7 +149,7 @@ def torch_function_contestants(width: int, batch: int) -> dict[str, Any]:
         return vjp(ct)
 
     def pure_jax() -> None:
-        out, vjp = forward(j_params, j_x)
+        _, vjp = forward(j_params, j_x)
         jax.block_until_ready(backward(vjp, j_ct))
 
     return {"bridge torch_function": bridge, "pure JAX pair": pure_jax}
@@ -173,8 +176,10 @@ def main() -> None:
     medium_rounds, medium_block = (3, 3) if args.quick else (15, 10)
 
     print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
-    print(f"torch {torch.__version__}, jax {jax.__version__}, {jax.devices()[0].platform}, "
-          f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
+    print(
+        f"torch {torch.__version__}, jax {jax.__version__}, {jax.devices()[0].platform}, "
+        f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs"
+    )
 
     tiny = bench(fedsgd_contestants(4, 8, 16, torch_loop=True), rounds, block)
     report(

@@ -36,12 +36,16 @@ _functions: weakref.WeakValueDictionary[int, TorchFunction] = weakref.WeakValueD
 _entries: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary()
 
 
-def register_function(fn: TorchFunction) -> int:
-    """Defines the custom op (once) and returns the uid by which programs name `fn`."""
+def register_function(fn: TorchFunction) -> str:
+    """Defines the custom op (once) and returns the uid by which programs name `fn`.
+
+    A string, not an int: torch.compile treats int attributes that differ between recompiles
+    as symbolic, and a program name must be a constant.
+    """
     _define_op()
     uid = next(_uids)
     _functions[uid] = fn
-    return uid
+    return str(uid)
 
 
 def register_entry(entry: _Entry) -> int:

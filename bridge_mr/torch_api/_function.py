@@ -68,8 +68,7 @@ class TorchFunction:
         self._lock = threading.RLock()
         self._traces = 0
         self.compilable = compilable
-        if compilable:
-            self.uid = _custom_op.register_function(self)
+        self.uid = _custom_op.register_function(self) if compilable else ""
 
     @property
     def jax_fn(self) -> JaxFunction:
