@@ -127,21 +127,23 @@ def _import_all(
         # which copies where needed or raises an error that names the tensor.
         try:
             flags = DTYPE_FLAGS[tensor.dtype]
+            on_cpu = tensor.is_cpu
             if (
                 to_array is not None
+                and (on_cpu or tensor.is_cuda)
                 and tensor.layout is _STRIDED
                 and not tensor.data_ptr() % ALIGNMENT
                 and not tensor.is_neg()
                 and not (flags & _COMPLEX and tensor.is_conj())
                 and not (flags & _WIDE and not _runtime.x64_enabled())
             ):
-                if tensor.is_cpu:
+                if on_cpu:
                     if "cpu" not in _ROW_MAJOR_ONLY or tensor.is_contiguous():
                         if cpu is None:
                             cpu = _runtime.jax_device("cpu", 0)
                         append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
                         continue
-                elif tensor.is_cuda and ("cuda" not in _ROW_MAJOR_ONLY or tensor.is_contiguous()):
+                elif "cuda" not in _ROW_MAJOR_ONLY or tensor.is_contiguous():
                     cuda_index = tensor.get_device()
                     device, stream = cuda_ready.get(cuda_index) or _cuda_ready(
                         cuda_index, cuda_ready
