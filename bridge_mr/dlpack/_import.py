@@ -137,6 +137,9 @@ def _import_all(
                 and not (flags & _COMPLEX and tensor.is_conj())
                 and not (flags & _WIDE and not _runtime.x64_enabled())
             ):
+                if tensor.requires_grad:
+                    # Without this the capsule would keep the autograd graph alive.
+                    tensor = tensor.detach()
                 if on_cpu:
                     if "cpu" not in _ROW_MAJOR_ONLY or tensor.is_contiguous():
                         if cpu is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import gc
 import re
 import warnings
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -66,6 +68,25 @@ def test_requires_grad_is_detached_without_copy() -> None:
     assert arrays[0].unsafe_buffer_pointer() == leaf.data_ptr()
     assert arrays[1].unsafe_buffer_pointer() == nonleaf.data_ptr()
     assert_trees_all_close(arrays, [leaf, nonleaf, leaf.t()], rtol=0, atol=0)
+
+
+def test_import_does_not_keep_the_autograd_graph_alive() -> None:
+    freed = []
+
+    class Saved:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+            weakref.finalize(self, freed.append, True)
+
+    x = torch.randn(8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor):
+        product = x * w  # its graph node holds two `Saved`
+    arrays = dlpack.import_tensors([product, product[::2], product[None].t()])
+    del product
+    gc.collect()
+    assert freed == [True, True]
+    assert len(arrays) == 3
 
 
 def test_stride_zero_cotangent_from_sum_backward_is_copied_once() -> None:
