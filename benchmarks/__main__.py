@@ -1,0 +1,196 @@
+"""bridge_mr benchmark suite: throughput, overhead and memory against the alternatives.
+
+    python -m benchmarks [--quick] [--cases NAME ...] [--out DIR] (see --help for filters)
+
+Prints a table per case and the targets, and writes results.json, results.md and PNG plots to
+--out (default benchmarks/results, or benchmarks/results/quick with --quick). Run from the
+repository root. XLA_FLAGS gets --xla_cpu_experimental_ynn_fusion_type=-reduce appended before
+JAX is imported (a jaxlib 0.10 CPU slowdown, jax-ml/jax#37465).
+"""
+
+from __future__ import annotations
+
+from . import environment
+
+XLA_FLAGS = environment.configure()  # Before anything imports JAX.
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+from . import (  # noqa: E402
+    cases_boundary,
+    cases_federated,
+    cases_limits,
+    cases_overhead,
+    harness,
+    report,
+    workloads,
+)
+
+CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
+    "boundary": cases_boundary.run,
+    "overhead": cases_overhead.run,
+    "fedsgd": lambda ctx: cases_federated.run_rounds(ctx, "fedsgd"),
+    "fedavg": lambda ctx: cases_federated.run_rounds(ctx, "fedavg"),
+    "scaling": cases_federated.run_scaling,
+    "limits": cases_limits.run,
+}
+
+QUICK = harness.TimingPolicy(reps=5, min_reps=3, warmup=1, min_sample_s=0.02, budget_s=4.0)
+FULL = harness.TimingPolicy(reps=11, min_reps=3, warmup=1, min_sample_s=0.05, budget_s=20.0)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, ~2 minutes")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=list(CASES),
+        default=list(CASES),
+        metavar="NAME",
+        help=f"cases to run (default: all of {', '.join(CASES)})",
+    )
+    parser.add_argument("--out", help="output folder (default benchmarks/results[/quick])")
+    parser.add_argument("--reps", type=int, help="repetitions per comparison (overrides mode)")
+    parser.add_argument(
+        "--memory",
+        choices=["auto", "all", "none"],
+        default="auto",
+        help="peak-RSS child processes: the rows each case picks (auto), all rows, or none",
+    )
+    parser.add_argument(
+        "--models", nargs="+", choices=list(workloads.MODELS), help="federated cases: models"
+    )
+    parser.add_argument(
+        "--clients", nargs="+", type=int, metavar="N", help="federated cases: client counts"
+    )
+    parser.add_argument(
+        "--alternatives",
+        nargs="+",
+        choices=list(workloads.ALTERNATIVES),
+        default=list(workloads.ALTERNATIVES),
+        metavar="NAME",
+        help=f"federated cases: alternatives (default: {', '.join(workloads.ALTERNATIVES)})",
+    )
+    parser.add_argument("--no-xla", action="store_true", help="skip the torch-xla rows")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    return parser.parse_args(argv)
+
+
+def _markdown(document: dict[str, Any], cases: list[report.CaseResult], plots: list[str]) -> str:
+    load = document["load"]
+    lines = [
+        "# bridge_mr benchmark results",
+        "",
+        f"Command: `{document['command']}` ({document['mode']} run), started "
+        f"{document['started']}, {document['duration_s']:.0f} s.",
+        "",
+        "```",
+        environment.describe(document["machine"]),
+        f"other processes kept {load['other_cpus_busy']:.2f} CPUs busy on average during the run"
+        if load.get("other_cpus_busy") is not None
+        else "load of other processes: unknown",
+        "```",
+        "",
+        "Method: warm-up excluded; alternatives interleaved (A B C, B C A, ...) in one process; "
+        "cells show the median over repetitions ±half the interquartile range, and (x) the "
+        "median of per-repetition ratios to the row's baseline. Every call is synced before "
+        "the clock stops. Peak RSS: ru_maxrss of a fresh process that runs only that round.",
+        "",
+    ]
+    for case in cases:
+        lines.append(report.case_markdown(case))
+    lines.append(report.targets_markdown(document["targets"]))
+    if plots:
+        lines += [
+            "",
+            "Plots: " + ", ".join(f"[{os.path.basename(p)}]({os.path.basename(p)})" for p in plots),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Runs the selected cases and writes the results; returns the exit status."""
+    args = _parse(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # drjax logs per trace without a mesh.
+    policy = QUICK if args.quick else FULL
+    if args.reps is not None:
+        policy = harness.TimingPolicy(
+            reps=args.reps,
+            min_reps=min(args.reps, policy.min_reps),
+            warmup=policy.warmup,
+            min_sample_s=policy.min_sample_s,
+            budget_s=policy.budget_s,
+        )
+    ctx = harness.Context(
+        quick=args.quick,
+        policy=policy,
+        alternatives=tuple(args.alternatives),
+        memory=args.memory,
+        models=tuple(args.models) if args.models else None,
+        clients=tuple(args.clients) if args.clients else None,
+        xla=not args.no_xla,
+    )
+    out_dir = args.out or os.path.join(
+        harness.PACKAGE_ROOT, "benchmarks", "results", *(["quick"] if args.quick else [])
+    )
+    os.makedirs(out_dir, exist_ok=True)
+
+    machine = environment.machine()
+    command = "python -m benchmarks " + shlex.join(argv)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(f"{command.strip()}  ({'quick' if args.quick else 'full'} run, started {started})")
+    print(environment.describe(machine), flush=True)
+    meter = environment.LoadMeter()
+    start = time.perf_counter()
+    results: list[report.CaseResult] = []
+    for name in args.cases:
+        case = CASES[name](ctx)
+        results.append(case)
+        print("\n" + report.case_markdown(case), flush=True)
+    targets = [t for case in results for t in case.targets]
+    document = {
+        "schema": report.SCHEMA,
+        "command": command.strip(),
+        "mode": "quick" if args.quick else "full",
+        "started": started,
+        "duration_s": time.perf_counter() - start,
+        "machine": machine,
+        "load": meter.read(),
+        "policy": {**dataclasses.asdict(policy), "memory": ctx.memory},
+        "cases": {case.name: case.as_json() for case in results},
+        "targets": targets,
+    }
+    plots: list[str] = []
+    if not args.no_plots:
+        from . import plots as plotting
+
+        plots = plotting.write_plots(document, out_dir)
+    report.write_json(os.path.join(out_dir, "results.json"), document)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(_markdown(document, results, plots))
+    print("\n" + report.targets_markdown(targets))
+    load = document["load"]["other_cpus_busy"]
+    if load is not None:
+        print(f"Other processes kept {load:.2f} CPUs busy on average during this run.")
+    print(
+        f"Wrote {out_dir}/results.json, results.md and {len(plots)} plots "
+        f"({document['duration_s']:.0f} s)."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,269 @@
+"""Cases 3 and 4: FedSGD / FedAvg rounds against every alternative, and scaling with clients.
+
+Every row is one interleaved comparison of the alternatives in `workloads`, baseline `drjax`
+(the same program in pure JAX). torch-xla rows run in a separate process in the torch-xla
+environment (`.venv-xla`), interleaved among themselves, baseline `torch_xla`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from . import environment, harness, report, workloads
+from .environment import LoadMeter
+from .workloads import FedConfig
+
+BASELINE = "drjax"
+XLA_PYTHON = os.path.join(harness.PACKAGE_ROOT, ".venv-xla", "bin", "python")
+
+
+def _row_id(cfg: FedConfig) -> str:
+    return f"{cfg.algo}/{cfg.model}/c{cfg.clients}"
+
+
+def _params(cfg: FedConfig) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(cfg),
+        "steps_per_client": cfg.steps,
+        "n_params": workloads.n_params(cfg.widths),
+    }
+
+
+def _baseline(ctx: harness.Context) -> str:
+    return BASELINE if BASELINE in ctx.alternatives else ctx.alternatives[0]
+
+
+def measure_configs(
+    ctx: harness.Context,
+    configs: list[FedConfig],
+    memory: list[bool],
+    desc: str,
+) -> tuple[list[dict[str, Any]], dict[str, harness.Comparison]]:
+    """Times each config's round for every alternative; peak RSS where `memory` says so.
+
+    Args:
+      ctx: the run's settings (alternatives, timing policy).
+      configs: the rounds, one row each.
+      memory: per config, whether to measure each alternative's peak RSS in a child process.
+      desc: the progress bar's label.
+    """
+    rows, comparisons = [], {}
+    alternatives = ctx.alternatives
+    steps = len(configs) + len(alternatives) * sum(memory)
+    with harness.progress(steps, desc) as bar:
+        for cfg, with_memory in zip(configs, memory, strict=True):
+            bar.set_postfix_str(_row_id(cfg))
+            built = {name: workloads.build(name, cfg) for name in alternatives}
+            comparison = harness.compare(built, baseline=_baseline(ctx), policy=ctx.policy)
+            del built  # Frees the rounds' buffers before the next config.
+            row = report.comparison_row(
+                comparison,
+                _row_id(cfg),
+                _params(cfg),
+                metrics={"client_updates_per_s": cfg.clients},
+            )
+            bar.update()
+            for name in alternatives if with_memory else ():
+                bar.set_postfix_str(f"{_row_id(cfg)} peak RSS of {name}")
+                if comparison.ok(name):
+                    spec = {"alternative": name, "config": dataclasses.asdict(cfg)}
+                    row["alternatives"][name]["memory"] = harness.peak_rss(spec, calls=2)
+                bar.update()
+            rows.append(row)
+            comparisons[row["id"]] = comparison
+    return rows, comparisons
+
+
+def _round_configs(ctx: harness.Context, algo: str) -> tuple[list[FedConfig], list[str]]:
+    notes = []
+    if ctx.quick:
+        sizes = {"small": (8, 64), "medium": (8,)}
+        notes.append("--quick: clients {8, 64} for the small model and 8 for the medium one.")
+    else:
+        sizes = {"small": (8, 64, 512), "medium": (8, 64, 512) if algo == "fedsgd" else (8, 64)}
+        if algo == "fedavg":
+            notes.append(
+                "Cut: medium model x 512 clients for FedAvg (about 1.1 TFLOP per round, over 10 "
+                "s per alternative on 2 cores; 4 alternatives x several repetitions do not fit "
+                "the 15-minute run)."
+            )
+    models = ctx.models or tuple(sizes)
+    configs = [FedConfig(algo, model, c) for model in models for c in (ctx.clients or sizes[model])]
+    return configs, notes
+
+
+def run_rounds(ctx: harness.Context, algo: str) -> report.CaseResult:
+    """Case 3: one FedSGD or FedAvg round, every alternative, small and medium models.
+
+    Peak RSS ("auto"): the medium-model rows of the full run.
+    """
+    meter = LoadMeter()
+    configs, notes = _round_configs(ctx, algo)
+    title = {
+        "fedsgd": "FedSGD round (mean client loss, gradient, one SGD step on the server)",
+        "fedavg": f"FedAvg round ({configs[0].local_steps} local SGD steps per client, mean delta)",
+    }[algo]
+    case = report.CaseResult(
+        name=algo,
+        title=title,
+        unit="time per round; (x) = ratio to the row's baseline (paired per repetition); "
+        "client updates/s; peak RSS of a fresh process running that round",
+    )
+    case.notes += notes
+    case.notes.append(
+        f"Per client per step: a batch of {configs[0].batch} examples; models: small "
+        f"{workloads.MODELS['small']} = {workloads.n_params(workloads.MODELS['small']):,} "
+        f"parameters, medium {workloads.MODELS['medium']} = "
+        f"{workloads.n_params(workloads.MODELS['medium']):,} parameters (float32)."
+    )
+    memory = [ctx.wants_memory(not ctx.quick and cfg.model == "medium") for cfg in configs]
+    rows, comparisons = measure_configs(ctx, configs, memory, algo)
+    case.rows += rows
+    for cfg in configs:
+        row_id = _row_id(cfg)
+        comparison = comparisons[row_id]
+        ratio = comparison.ratio("bridge_mr", BASELINE)
+        case.targets.append(
+            report.target(
+                algo,
+                row_id,
+                "bridge_mr time / drjax time",
+                None if ratio is None else ratio["median"],
+                1.10,
+                "<=",
+            )
+        )
+        if algo == "fedavg" and cfg.model == "small" and cfg.local_steps >= 10:
+            speedup = comparison.ratio("torch_vmap", "bridge_mr")
+            case.targets.append(
+                report.target(
+                    algo,
+                    row_id,
+                    "bridge_mr throughput / torch.func.vmap throughput",
+                    None if speedup is None else speedup["median"],
+                    2.0,
+                    ">=",
+                )
+            )
+    if ctx.xla:
+        case.rows += xla_rows(ctx, configs, case)
+    case.load = meter.read()
+    return case
+
+
+def run_scaling(ctx: harness.Context) -> report.CaseResult:
+    """Case 4: FedAvg round time and peak RSS against the number of clients, small model.
+
+    Peak RSS ("auto"): every row of the full run, the largest client count of --quick.
+    """
+    meter = LoadMeter()
+    clients = ctx.clients or ((8, 64, 512) if ctx.quick else (8, 32, 128, 512, 2048))
+    configs = [FedConfig("fedavg", "small", c) for c in clients]
+    case = report.CaseResult(
+        name="scaling",
+        title=f"Scaling: small-model FedAvg round ({configs[0].local_steps} local steps) "
+        "vs number of clients",
+        unit="time per round; (x) = ratio to drjax; client updates/s; peak RSS of a fresh "
+        "process running that round",
+    )
+    if ctx.quick:
+        case.notes.append(
+            "--quick: clients {8, 64, 512}, peak RSS at 512 only (the full run: 8 to 2048, "
+            "peak RSS at each)."
+        )
+    memory = [ctx.wants_memory(not ctx.quick or c == max(clients)) for c in clients]
+    rows, _ = measure_configs(ctx, configs, memory, "scaling")
+    for row in rows:
+        row["id"] = f"c{row['params']['clients']}"
+    case.rows += rows
+    case.load = meter.read()
+    return case
+
+
+def xla_rows(
+    ctx: harness.Context, configs: list[FedConfig], case: report.CaseResult
+) -> list[dict[str, Any]]:
+    """torch-xla rows for the configs with at most 64 clients, from the torch-xla environment.
+
+    Runs in this process if torch_xla is importable here, else in a child process of
+    `.venv-xla/bin/python` when that exists; otherwise adds a note and returns no rows.
+    """
+    chosen = [cfg for cfg in configs if cfg.clients <= 64]
+    spec = {
+        "configs": [dataclasses.asdict(cfg) for cfg in chosen],
+        "policy": dataclasses.asdict(ctx.policy),
+    }
+    if _has_torch_xla():
+        rows = run_xla_spec(spec)
+    elif os.path.exists(XLA_PYTHON):
+        flags = environment.without_ynn_flag(os.environ.get("XLA_FLAGS", ""))
+        env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_FLAGS": flags}
+        print(f"{case.name}: torch-xla rows in {XLA_PYTHON} ...", file=sys.stderr)
+        done = subprocess.run(
+            [XLA_PYTHON, "-m", "benchmarks._xla_child", json.dumps(spec)],
+            cwd=harness.PACKAGE_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            case.notes.append(f"torch-xla rows failed: the child exited with {done.returncode}.")
+            return []
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        rows = result["rows"]
+        case.notes.append(
+            f"torch-xla rows (suffix /xla): separate process, torch {result['torch']}, "
+            f"torch_xla {result['torch_xla']}, PJRT_DEVICE=CPU ({result['device']}), XLA_FLAGS "
+            f"without {environment.YNN_FLAG} (torch_xla's XLA rejects it); its "
+            "alternatives are interleaved with each other only, baseline torch_xla (pure "
+            "torch-xla: torch.func.vmap + functional_call on the XLA device)."
+        )
+    else:
+        case.notes.append("No torch-xla rows: torch_xla is not importable and .venv-xla is absent.")
+        return []
+    for row in rows:
+        entry = row["alternatives"].get("bridge_mr_xla", {})
+        ratio = entry.get("ratio_to_baseline")
+        case.targets.append(
+            report.target(
+                case.name,
+                row["id"],
+                "bridge_mr on torch-xla time / pure torch-xla time",
+                None if ratio is None else ratio["median"],
+                1.0,
+                "<=",
+            )
+        )
+    return rows
+
+
+def _has_torch_xla() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def run_xla_spec(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows comparing bridge_mr on torch-xla with pure torch-xla for the spec's configs."""
+    policy = harness.TimingPolicy(**spec["policy"])
+    rows = []
+    for fields in spec["configs"]:
+        cfg = FedConfig(**fields)
+        print(f"  torch-xla {_row_id(cfg)}", file=sys.stderr)
+        built = {name: workloads.build(name, cfg) for name in workloads.XLA_ALTERNATIVES}
+        comparison = harness.compare(built, baseline="torch_xla", policy=policy)
+        rows.append(
+            report.comparison_row(
+                comparison,
+                f"{_row_id(cfg)}/xla",
+                _params(cfg),
+                metrics={"client_updates_per_s": cfg.clients},
+            )
+        )
+    return rows

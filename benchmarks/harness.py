@@ -1,0 +1,284 @@
+"""Measurement: interleaved timed repetitions, synced clocks, peak RSS of a fresh child process.
+
+Every alternative of a comparison is a zero-argument callable that does one unit of work (one
+round, one call) and returns its results. The clock stops only after those results are synced:
+JAX arrays are blocked on, torch-xla tensors are synced and waited for, CUDA is synchronised
+(CPU torch tensors are already materialised when eager torch returns them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sync(result: Any) -> None:
+    """Waits until every array or tensor in `result` (nested lists/tuples/dicts) is computed."""
+    leaves = list(_leaves(result))
+    xla_pending = False
+    for leaf in leaves:
+        if hasattr(leaf, "block_until_ready"):
+            leaf.block_until_ready()
+        elif type(leaf).__module__.startswith("torch"):
+            device_type = getattr(getattr(leaf, "device", None), "type", "cpu")
+            if device_type == "xla":
+                xla_pending = True
+            elif device_type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(leaf.device)
+    if xla_pending:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+
+def _leaves(tree: Any) -> Iterable[Any]:
+    if isinstance(tree, Mapping):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _leaves(value)
+    elif tree is not None:
+        yield tree
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile); all three equal for a single value."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds per call of one alternative: one sample per repetition.
+
+    Attributes:
+      samples: mean seconds per call within each repetition, in repetition order.
+      number: calls per repetition (chosen so that a repetition lasts long enough to time).
+      error: why the alternative could not be timed; then `samples` is empty.
+    """
+
+    samples: list[float] = dataclasses.field(default_factory=list)
+    number: int = 0
+    error: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """Median, quartiles and extremes in seconds, or the error."""
+        if self.error is not None:
+            return {"error": self.error}
+        q1, median, q3 = _quantiles(self.samples)
+        return {
+            "median_s": median,
+            "q1_s": q1,
+            "q3_s": q3,
+            "min_s": min(self.samples),
+            "max_s": max(self.samples),
+            "reps": len(self.samples),
+            "calls_per_rep": self.number,
+        }
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Timings of several alternatives measured in one interleaved run."""
+
+    baseline: str
+    timings: dict[str, Timing]
+
+    def ok(self, name: str) -> bool:
+        """Whether `name` was timed (it exists and did not fail)."""
+        timing = self.timings.get(name)
+        return timing is not None and timing.error is None and bool(timing.samples)
+
+    def median(self, name: str) -> float:
+        """Median seconds per call of `name`."""
+        return _quantiles(self.timings[name].samples)[1]
+
+    def ratio(self, name: str, reference: str | None = None) -> dict[str, float] | None:
+        """Time of `name` over time of `reference` (default: the baseline), paired per repetition.
+
+        Each repetition ran every alternative back to back, so the ratio within a repetition
+        cancels slow drifts of the machine's load; the median and quartiles are over
+        repetitions. None if either side was not timed.
+        """
+        reference = self.baseline if reference is None else reference
+        if not (self.ok(name) and self.ok(reference)):
+            return None
+        pairs = zip(self.timings[name].samples, self.timings[reference].samples, strict=True)
+        q1, median, q3 = _quantiles([a / b for a, b in pairs])
+        return {"median": median, "q1": q1, "q3": q3}
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingPolicy:
+    """How long to measure.
+
+    Attributes:
+      reps: repetitions wanted per alternative.
+      min_reps: repetitions kept even when `budget_s` would allow fewer.
+      warmup: untimed calls per alternative before timing (the first one compiles).
+      min_sample_s: a repetition calls an alternative enough times to last at least this long.
+      budget_s: a comparison's timed part is cut to fewer repetitions (not below `min_reps`) to
+        fit in about this many seconds.
+    """
+
+    reps: int
+    min_reps: int
+    warmup: int
+    min_sample_s: float
+    budget_s: float
+
+
+def compare(
+    alternatives: Mapping[str, Callable[[], Any] | str],
+    *,
+    baseline: str,
+    policy: TimingPolicy,
+) -> Comparison:
+    """Times the alternatives interleaved: A B C, then B C A, ... one sample each per repetition.
+
+    Args:
+      alternatives: name -> a callable doing one unit of work and returning its results, or a
+        string saying why that alternative could not be built (it is reported, not timed).
+      baseline: the name ratios are relative to.
+      policy: repetitions, warm-up and sample length.
+
+    Returns:
+      The timings; an alternative that raised while warming up or timing keeps the error.
+    """
+    if baseline not in alternatives:
+        raise ValueError(f"baseline {baseline!r} is not one of {sorted(alternatives)}")
+    timings = {name: Timing() for name in alternatives}
+    runnable: dict[str, Callable[[], Any]] = {}
+    per_rep = 0.0
+    for name, fn in alternatives.items():
+        if isinstance(fn, str):
+            timings[name].error = fn
+            continue
+        try:
+            for _ in range(policy.warmup):
+                sync(fn())
+            start = time.perf_counter()
+            sync(fn())
+            once = time.perf_counter() - start
+        except Exception as err:  # An alternative's failure is a result to report.
+            timings[name].error = f"{type(err).__name__}: {err}"
+            continue
+        timings[name].number = max(1, math.ceil(policy.min_sample_s / max(once, 1e-9)))
+        per_rep += timings[name].number * once
+        runnable[name] = fn
+    reps = policy.reps
+    if per_rep > 0:
+        reps = max(policy.min_reps, min(policy.reps, int(policy.budget_s / per_rep)))
+    names = list(runnable)
+    for rep in range(reps):
+        shift = rep % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            if name not in runnable:
+                continue
+            timing = timings[name]
+            try:
+                start = time.perf_counter()
+                for _ in range(timing.number):
+                    sync(runnable[name]())
+                timing.samples.append((time.perf_counter() - start) / timing.number)
+            except Exception as err:
+                timing.error = f"{type(err).__name__}: {err}"
+                timing.samples.clear()
+                del runnable[name]
+    return Comparison(baseline, timings)
+
+
+_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+
+
+def peak_rss(spec: Mapping[str, Any], *, calls: int, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Peak resident memory of a fresh Python process that builds and runs one workload.
+
+    The child (`python -m benchmarks._child`) imports the libraries, builds `spec` with
+    `benchmarks.workloads.build`, runs it `calls` times (synced) and reports
+    `resource.getrusage(RUSAGE_SELF).ru_maxrss`, before building and at the end.
+
+    Linux keeps ru_maxrss across fork and exec, so a child forked from this (large) process
+    would report at least our peak. The child is therefore started by a small launcher
+    process, whose own small peak is all it inherits.
+
+    Returns:
+      {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} or {"error": ...}.
+    """
+    command = [
+        sys.executable,
+        "-c",
+        _LAUNCHER,
+        sys.executable,
+        "-m",
+        "benchmarks._child",
+        json.dumps({**spec, "calls": calls}),
+    ]
+    try:
+        done = subprocess.run(
+            command,
+            cwd=PACKAGE_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"child exited with {done.returncode}: {tail[0]}"}
+    return json.loads(lines[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Settings shared by the cases of one run.
+
+    Attributes:
+      quick: the ~2-minute run (fewer sizes and repetitions).
+      policy: timing policy of each comparison.
+      alternatives: federated cases: the alternatives to time.
+      memory: peak-RSS child processes: "auto" (the rows each case picks for this mode),
+        "all" rows or "none".
+      models: federated cases: only these models (None: the case's own choice).
+      clients: federated cases: these client counts instead of the case's own.
+      xla: federated cases: add torch-xla rows where a torch-xla environment exists.
+    """
+
+    quick: bool
+    policy: TimingPolicy
+    alternatives: tuple[str, ...]
+    memory: str = "auto"
+    models: tuple[str, ...] | None = None
+    clients: tuple[int, ...] | None = None
+    xla: bool = True
+
+    def wants_memory(self, auto: bool) -> bool:
+        """Whether to measure peak RSS for a row the case would (`auto`) or would not pick."""
+        return self.memory == "all" or (self.memory == "auto" and auto)
+
+
+def progress(total: int, desc: str) -> Any:
+    """A progress bar on stderr (tqdm) for `total` steps."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)
