@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 
 from . import _runtime
@@ -141,12 +142,12 @@ def _import_all(
                     # Without this the capsule would keep the autograd graph alive.
                     tensor = tensor.detach()
                 if on_cpu:
-                    if "cpu" not in _ROW_MAJOR_ONLY or tensor.is_contiguous():
+                    if _PERMUTED_OK.get("cpu") or tensor.is_contiguous():
                         if cpu is None:
                             cpu = _runtime.jax_device("cpu", 0)
                         append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
                         continue
-                elif "cuda" not in _ROW_MAJOR_ONLY or tensor.is_contiguous():
+                elif _PERMUTED_OK.get("cuda") or tensor.is_contiguous():
                     cuda_index = tensor.get_device()
                     device, stream = cuda_ready.get(cuda_index) or _cuda_ready(
                         cuda_index, cuda_ready
@@ -188,25 +189,40 @@ def _import_one(
         or tensor.data_ptr() % ALIGNMENT != 0
         or not is_compact(tensor.shape, tensor.stride())
     )
-    permuted = not copied and not tensor.is_contiguous()
-    if permuted and device_type in _ROW_MAJOR_ONLY:
+    if not copied and not tensor.is_contiguous() and not _permuted_layouts_ok(tensor.device):
         copied = True
     if copied:
         tensor = _fresh_copy(tensor, target)
     elif tensor.requires_grad:
         tensor = tensor.detach()
+    return _wrap(tensor, device_type, copied, cuda_ready)
+
+
+#: Per torch device type: whether JAX reads permuted-dense (e.g. transposed) DLPack tensors
+#: correctly, found by `_probe_permuted_layouts` on first need.
+_PERMUTED_OK: dict[str, bool] = {}
+
+
+def _permuted_layouts_ok(device: torch.device) -> bool:
+    verdict = _PERMUTED_OK.get(device.type)
+    if verdict is None:
+        verdict = _PERMUTED_OK[device.type] = _probe_permuted_layouts(device)
+    return verdict
+
+
+def _probe_permuted_layouts(device: torch.device) -> bool:
+    """Whether a transposed tensor shared with JAX on `device` reads back correctly.
+
+    jaxlib 0.10+ keeps the permutation as the array's layout. jaxlib 0.7 accepts the tensor but
+    ignores the permutation (silently wrong values); other backends may refuse it. Where it is
+    not read back correctly, permuted tensors are copied to row-major instead.
+    """
+    expected = torch.arange(6, dtype=torch.float32, device=device).reshape(2, 3)
     try:
-        return _wrap(tensor, device_type, copied, cuda_ready)
+        array = _wrap(expected.t(), device.type, True, {})
+        return bool(np.array_equal(np.asarray(array), expected.t().cpu().numpy()))
     except Exception:
-        if not permuted or device_type in _ROW_MAJOR_ONLY:
-            raise
-    # This backend refuses permuted-dense layouts: remember that, and copy to row-major.
-    _ROW_MAJOR_ONLY.add(device_type)
-    return _wrap(_fresh_copy(tensor, target), device_type, True, cuda_ready)
-
-
-#: Device types whose JAX backend turned out to accept only row-major DLPack tensors.
-_ROW_MAJOR_ONLY: set[str] = set()
+        return False
 
 
 def _wrap(

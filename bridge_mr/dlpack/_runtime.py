@@ -21,10 +21,8 @@ DL_CUDA = 2  # DLDeviceType.kDLCUDA
 
 try:
     from jax._src.lib import _jax as _jaxlib
-    from jax._src.lib import jaxlib_extension_version as _jaxlib_version
 except ImportError:  # jaxlib without the `_jax` extension module name
     _jaxlib = None
-    _jaxlib_version = 0
 
 _jaxlib_to_array = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
 _jaxlib_to_capsule = getattr(_jaxlib, "buffer_to_dlpack_managed_tensor", None)
@@ -39,19 +37,33 @@ def _capsule_to_array_5(
 def _capsule_to_array_4(
     capsule: Any, device: Any, stream: int | None, dl_device_type: int
 ) -> jax.Array:
-    del dl_device_type  # Older jaxlib reads it from the capsule.
+    del dl_device_type  # This jaxlib reads it from the capsule.
     return _jaxlib_to_array(capsule, device, stream, None)
+
+
+def _capsule_to_array_3(
+    capsule: Any, device: Any, stream: int | None, dl_device_type: int
+) -> jax.Array:
+    del dl_device_type  # This jaxlib reads it from the capsule.
+    return _jaxlib_to_array(capsule, device, stream)
+
+
+def _pick_capsule_to_array() -> Callable[[Any, Any, int | None, int], jax.Array] | None:
+    # The signature changed across jaxlib releases (jaxlib 0.7: dlpack, device, stream; later
+    # `copy`, then `dl_device_type` were added); nanobind states it in the docstring.
+    signature = getattr(_jaxlib_to_array, "__doc__", None) or ""
+    if "device: " not in signature or "stream: " not in signature:
+        return None
+    if "dl_device_type" in signature:
+        return _capsule_to_array_5
+    if "copy" in signature:
+        return _capsule_to_array_4
+    return _capsule_to_array_3
 
 
 #: Wraps a DLPack capsule as a jax.Array on `device` without copying (when the layout allows),
 #: or None where this jaxlib has no such entry point and `jax.dlpack.from_dlpack` must be used.
-capsule_to_array: Callable[[Any, Any, int | None, int], jax.Array] | None
-if _jaxlib_to_array is None:
-    capsule_to_array = None
-elif _jaxlib_version >= 467:  # the version from which jax passes dl_device_type
-    capsule_to_array = _capsule_to_array_5
-else:
-    capsule_to_array = _capsule_to_array_4
+capsule_to_array: Callable[[Any, Any, int | None, int], jax.Array] | None = _pick_capsule_to_array()
 
 
 def _public_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from dlpack_cases import WIDE_DTYPES, values
+from dlpack_cases import PERMUTED_ZERO_COPY, WIDE_DTYPES, values, x64_disabled
 from helpers import assert_trees_all_close
 
 from bridge_mr import dlpack
@@ -63,11 +63,11 @@ def test_requires_grad_is_detached_without_copy() -> None:
     leaf = torch.randn(4, 3, requires_grad=True)
     nonleaf = leaf * 2
     with dlpack.count_conversions() as stats:
-        arrays = dlpack.import_tensors([leaf, nonleaf, leaf.t()])
+        arrays = dlpack.import_tensors([leaf, nonleaf, leaf.view(12)])
     assert stats.copies == 0
     assert arrays[0].unsafe_buffer_pointer() == leaf.data_ptr()
     assert arrays[1].unsafe_buffer_pointer() == nonleaf.data_ptr()
-    assert_trees_all_close(arrays, [leaf, nonleaf, leaf.t()], rtol=0, atol=0)
+    assert_trees_all_close(arrays, [leaf, nonleaf, leaf.view(12)], rtol=0, atol=0)
 
 
 def test_import_does_not_keep_the_autograd_graph_alive() -> None:
@@ -147,7 +147,7 @@ def test_misaligned_compact_tensor_is_copied_once_into_aligned_memory() -> None:
 @pytest.mark.parametrize("dtype", WIDE_DTYPES, ids=str)
 def test_x64_off_never_downcasts_silently(dtype: torch.dtype) -> None:
     tensor = values((2, 3), dtype)
-    with jax.enable_x64(False):
+    with x64_disabled():
         with pytest.raises(TypeError) as info:
             dlpack.to_jax({"params": [tensor]})
         message = str(info.value)
@@ -279,18 +279,17 @@ def test_backend_refusing_permuted_layouts_gets_one_counted_copy(
 ) -> None:
     from bridge_mr.dlpack import _import, _runtime
 
-    accepting = _runtime.capsule_to_array
+    to_capsule = _runtime.tensor_to_capsule
     refused = []
 
-    def row_major_only(capsule: object, device: object, stream: object, kind: int) -> jax.Array:
-        array = accepting(capsule, device, stream, kind)
-        if array.format.layout.major_to_minor != tuple(range(array.ndim)):
-            refused.append(array.shape)
+    def row_major_only(tensor: torch.Tensor) -> object:
+        if not tensor.is_contiguous():
+            refused.append(tensor.shape)
             raise RuntimeError("UNIMPLEMENTED: only row-major DLPack tensors")
-        return array
+        return to_capsule(tensor)
 
-    monkeypatch.setattr(_runtime, "capsule_to_array", row_major_only)
-    monkeypatch.setattr(_import, "_ROW_MAJOR_ONLY", set())
+    monkeypatch.setattr(_runtime, "tensor_to_capsule", row_major_only)
+    monkeypatch.setattr(_import, "_PERMUTED_OK", {})
     transposed = torch.arange(12.0).reshape(3, 4).t()
     refusals = []
     for _ in range(2):
@@ -299,6 +298,20 @@ def test_backend_refusing_permuted_layouts_gets_one_counted_copy(
         assert (stats.copies, stats.bytes_copied) == (1, 48)
         np.testing.assert_array_equal(np.asarray(array), transposed.numpy())
         refusals.append(len(refused))
-    assert refusals[0] > 0
-    assert refusals[1] == refusals[0]  # the second call knew to copy without asking
-    assert "cpu" in _import._ROW_MAJOR_ONLY
+    assert refusals == [1, 1]  # one probe, then the verdict is remembered
+    assert _import._PERMUTED_OK == {"cpu": False}
+
+
+@pytest.mark.skipif(not PERMUTED_ZERO_COPY, reason="this jaxlib copies permuted tensors")
+def test_computations_on_a_shared_transposed_tensor_are_right() -> None:
+    base = torch.arange(12.0).reshape(3, 4)
+    (array,) = dlpack.import_tensors([base.t()])
+    assert array.unsafe_buffer_pointer() == base.data_ptr()
+    result = jax.jit(lambda v: (v @ jnp.arange(3.0, dtype=v.dtype), v.sum(0), v[1:, ::2] * 2))(
+        array
+    )
+    expected = base.t().numpy()
+    weights = np.arange(3.0, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(result[0]), expected @ weights)
+    np.testing.assert_array_equal(np.asarray(result[1]), expected.sum(0))
+    np.testing.assert_array_equal(np.asarray(result[2]), expected[1:, ::2] * 2)
