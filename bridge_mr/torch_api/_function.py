@@ -16,6 +16,7 @@ from bridge_mr.jax_core import current_placement
 
 from . import _avals, _custom_op
 from ._executor import Runner, runner_for
+from ._static import FUNCTION_TYPES, static_key
 
 PyTree = Any
 
@@ -44,17 +45,26 @@ class TorchFunction:
 
     Tensor leaves of the arguments become JAX arrays; every other leaf (a number, a string, a
     callable, a mesh) is static: it is part of the compile key and must be hashable, so pass a
-    tensor for a value that changes from call to call. Outputs come back as torch tensors in the
-    structure the JAX function returns. Each distinct signature (tree structure, static values,
+    tensor for a value that changes from call to call. A static function (a lambda, a
+    `functools.partial`) is keyed by its code, defaults and captured values, so one re-created
+    on every call does not trace again. Outputs come back as torch tensors in the structure the
+    JAX function returns. Each distinct signature (tree structure, static values,
     shapes, dtypes, devices, which inputs need gradients, grad mode, active placement) is traced
     once; `trace_count` says how many JAX traces this function has done so far.
 
     With `passthrough_jax=True`, a call whose arguments hold no torch tensor is a plain call of
-    the JAX function (JAX arrays in, JAX arrays out).
+    the JAX function (JAX arrays in, JAX arrays out). `name` and `arg_names` (the names of the
+    positional parameters) are what error messages call the function and its arguments.
     """
 
     def __init__(
-        self, jax_fn: JaxFunction, *, compilable: bool = False, passthrough_jax: bool = False
+        self,
+        jax_fn: JaxFunction,
+        *,
+        compilable: bool = False,
+        passthrough_jax: bool = False,
+        name: str | None = None,
+        arg_names: Sequence[str] = (),
     ) -> None:
         if not callable(jax_fn):
             raise TypeError(
@@ -64,6 +74,8 @@ class TorchFunction:
         functools.update_wrapper(self, jax_fn, updated=())
         self._jax_fn = jax_fn
         self._passthrough_jax = passthrough_jax
+        self._name = name
+        self.arg_names = tuple(arg_names)
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._lock = threading.RLock()
         self._traces = 0
@@ -81,6 +93,8 @@ class TorchFunction:
         return self._traces
 
     def __repr__(self) -> str:
+        if self._name is not None:
+            return self._name
         name = getattr(self._jax_fn, "__qualname__", None) or repr(self._jax_fn)
         return f"torch_function({name})"
 
@@ -98,16 +112,19 @@ class TorchFunction:
         tensors: list[torch.Tensor] = []
         signature = []
         statics: list[Any] = []
+        static_keys: list[Any] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 tensors.append(leaf)
                 signature.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
                 statics.append(_TENSOR)
+                static_keys.append(_TENSOR)
             else:
                 statics.append(leaf)
+                static_keys.append(static_key(leaf) if isinstance(leaf, FUNCTION_TYPES) else leaf)
         if not tensors and self._passthrough_jax:
             return self._jax_fn(*args, **kwargs)
-        key = (treedef, tuple(statics), tuple(signature), grad, current_placement())
+        key = (treedef, tuple(static_keys), tuple(signature), grad, current_placement())
         try:
             entry = self._entries.get(key)
         except TypeError:
@@ -193,7 +210,7 @@ class _Entry:
         self.treedef = treedef
         self.statics = statics
         self.tensor_positions = tuple(i for i, s in enumerate(statics) if s is _TENSOR)
-        paths = _leaf_paths(treedef)
+        paths = _leaf_paths(treedef, owner.arg_names)
         where = [f"argument {paths[p]}" for p in self.tensor_positions]
         devices = {t.device for t in tensors}
         if len(devices) > 1:
@@ -449,13 +466,18 @@ class _JaxCall(torch.autograd.Function):
 _apply = super(torch.autograd.Function, _JaxCall).apply
 
 
-def _leaf_paths(treedef: Any) -> list[str]:
-    """Readable paths ("args[0]['w']") of the leaves of a flattened (args, kwargs) pair."""
+def _leaf_paths(treedef: Any, arg_names: Sequence[str]) -> list[str]:
+    """Readable paths ("server['w']", "args[3]") of the leaves of a flattened (args, kwargs)."""
     marker = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
     paths = [""] * treedef.num_leaves
     for path, index in jax.tree_util.tree_flatten_with_path(marker)[0]:
-        (kind, *rest) = path
-        head = "args" if kind.idx == 0 else "kwargs"
+        kind, arg, *rest = path
+        if kind.idx == 1:
+            head = str(arg.key)
+        elif arg.idx < len(arg_names):
+            head = arg_names[arg.idx]
+        else:
+            head = f"args[{arg.idx}]"
         paths[index] = head + jax.tree_util.keystr(tuple(rest))
     return paths
 
@@ -474,7 +496,7 @@ def _device_error(owner: TorchFunction, tensors: list[torch.Tensor], where: list
 def _static_error(
     owner: TorchFunction, treedef: Any, statics: list[Any], tensors: list[torch.Tensor]
 ) -> Exception:
-    paths = _leaf_paths(treedef)
+    paths = _leaf_paths(treedef, owner.arg_names)
     for path, leaf in zip(paths, statics, strict=True):
         if isinstance(leaf, jax.Array):
             if tensors:

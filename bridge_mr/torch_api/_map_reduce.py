@@ -92,7 +92,12 @@ def map_reduce_program(
         return jax_core.reduce_weighted_mean(results, weights)
 
 
-_MAP_REDUCE = TorchFunction(map_reduce_program, passthrough_jax=True)
+_MAP_REDUCE = TorchFunction(
+    map_reduce_program,
+    passthrough_jax=True,
+    name="map_reduce",
+    arg_names=("fn", "server", "clients", "weights", "reduce", "placement", "mesh"),
+)
 
 
 class _ArrayResults:

@@ -19,11 +19,24 @@ from ._function import TorchFunction
 PyTree: TypeAlias = Any
 AnyMesh: TypeAlias = Mesh | AbstractMesh
 
-_BROADCAST = TorchFunction(jax_core.broadcast, passthrough_jax=True)
-_MAP_FN = TorchFunction(jax_core.map_fn, passthrough_jax=True)
-_REDUCE_SUM = TorchFunction(jax_core.reduce_sum, passthrough_jax=True)
-_REDUCE_MEAN = TorchFunction(jax_core.reduce_mean, passthrough_jax=True)
-_REDUCE_WEIGHTED_MEAN = TorchFunction(jax_core.reduce_weighted_mean, passthrough_jax=True)
+_BROADCAST = TorchFunction(
+    jax_core.broadcast, passthrough_jax=True, name="broadcast", arg_names=("x",)
+)
+_MAP_FN = TorchFunction(
+    jax_core.map_fn, passthrough_jax=True, name="map_fn", arg_names=("fn", "arg")
+)
+_REDUCE_SUM = TorchFunction(
+    jax_core.reduce_sum, passthrough_jax=True, name="reduce_sum", arg_names=("x",)
+)
+_REDUCE_MEAN = TorchFunction(
+    jax_core.reduce_mean, passthrough_jax=True, name="reduce_mean", arg_names=("x",)
+)
+_REDUCE_WEIGHTED_MEAN = TorchFunction(
+    jax_core.reduce_weighted_mean,
+    passthrough_jax=True,
+    name="reduce_weighted_mean",
+    arg_names=("x", "w"),
+)
 
 
 def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:

@@ -322,3 +322,19 @@ def test_two_threads_train_two_models_at_once():
 
 def _loss_with_seed(seed, params, x):
     return jnp.mean((_mlp(params, x) - seed) ** 2)
+
+
+def test_re_created_static_functions_reuse_the_trace():
+    f = torch_function(lambda fn, x: fn(x))
+    x = torch.randn(3, dtype=F64)
+    for scale in (2.0, 2.0, 3.0):
+        out = f(lambda v, s=scale: v * s, x)  # A new lambda each time.
+        assert_trees_all_close(out, scale * x)
+    assert f.trace_count == 2
+    for offset in (1.0, 1.0):
+        f(functools.partial(jnp.add, offset), x)
+    assert f.trace_count == 3
+    captured = torch.ones(3, dtype=F64)
+    for _ in range(2):
+        assert_trees_all_close(f(lambda v: v + captured.numpy(), x), x + 1)
+    assert f.trace_count == 4  # Captured by identity: the same object, one trace.

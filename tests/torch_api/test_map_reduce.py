@@ -1,0 +1,206 @@
+"""map_reduce: gradients for each reduction, torch references, nn.Module training, long loops."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import threading
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+from helpers import assert_trees_all_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge_mr.torch_api import map_reduce
+from bridge_mr.torch_api._map_reduce import _MAP_REDUCE
+
+F64 = torch.float64
+
+
+def _client_loss(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w"].T + params["b"])
+    return jnp.mean((hidden.sum(-1) - batch["y"]) ** 2)
+
+
+def _torch_client_loss(params, x, y):
+    hidden = torch.tanh(x @ params["w"].T + params["b"])
+    return ((hidden.sum(-1) - y) ** 2).mean()
+
+
+def _case(n, width=2, batch=3, seed=0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    params = {
+        "w": torch.randn(width, width, dtype=dtype, generator=gen),
+        "b": torch.randn(width, dtype=dtype, generator=gen),
+    }
+    clients = {
+        "x": torch.randn(n, batch, width, dtype=dtype, generator=gen),
+        "y": torch.randn(n, batch, dtype=dtype, generator=gen),
+    }
+    weights = torch.rand(n, dtype=dtype, generator=gen) + 0.5
+    return params, clients, weights
+
+
+def _torch_reference(params, clients, weights, reduce):
+    losses = torch.stack(
+        [_torch_client_loss(params, x, y) for x, y in zip(clients["x"], clients["y"], strict=True)]
+    )
+    if reduce == "sum":
+        return losses.sum()
+    if reduce == "mean":
+        return losses.mean()
+    return (losses * weights).sum() / weights.sum()
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum", "weighted_mean"])
+def test_gradcheck_and_gradgradcheck_wrt_server_clients_and_weights(reduce):
+    params, clients, weights = _case(2, width=2, batch=2)
+    w_weights = weights.requires_grad_() if reduce == "weighted_mean" else None
+
+    def f(w, b, x, *maybe_weights):
+        return map_reduce(
+            _client_loss,
+            {"w": w, "b": b},
+            {"x": x, "y": clients["y"]},
+            reduce=reduce,
+            weights=maybe_weights[0] if maybe_weights else None,
+        )
+
+    inputs = (
+        params["w"].requires_grad_(),
+        params["b"].requires_grad_(),
+        clients["x"].requires_grad_(),
+        *([w_weights] if w_weights is not None else []),
+    )
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(1, 5),
+    width=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    reduce=st.sampled_from(["mean", "sum", "weighted_mean"]),
+)
+def test_equals_a_pure_torch_loop(n, width, seed, reduce):
+    params, clients, weights = _case(n, width=width, seed=seed)
+    for p in params.values():
+        p.requires_grad_()
+    got = map_reduce(
+        _client_loss,
+        params,
+        clients,
+        reduce=reduce,
+        weights=weights if reduce == "weighted_mean" else None,
+    )
+    got_grads = torch.autograd.grad(got, list(params.values()))
+    want = _torch_reference(params, clients, weights, reduce)
+    want_grads = torch.autograd.grad(want, list(params.values()))
+    assert_trees_all_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_trees_all_close(list(got_grads), list(want_grads), rtol=1e-10, atol=1e-12)
+
+
+def test_pytree_outputs_and_jax_fallthrough():
+    params, clients, _ = _case(4)
+
+    def stats(p, batch):
+        return {"loss": _client_loss(p, batch), "count": jnp.asarray(batch["y"].shape[0])}
+
+    out = map_reduce(stats, params, clients, reduce="sum")
+    assert_trees_all_close(out["count"], torch.tensor(12))
+    as_jax = jax.tree.map(lambda t: jnp.asarray(t.numpy()), (params, clients))
+    jax_out = map_reduce(stats, *as_jax, reduce="sum")
+    assert isinstance(jax_out["loss"], jax.Array)
+    assert_trees_all_close(jax_out, out)
+
+
+def _model_and_data(seed, n=4):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    gen = torch.Generator().manual_seed(seed)
+    clients = {"x": torch.randn(n, 5, 3, generator=gen), "y": torch.randn(n, 5, generator=gen)}
+    return model, clients
+
+
+def _module_loss(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["0.weight"].T + params["0.bias"])
+    out = hidden @ params["2.weight"].T + params["2.bias"]
+    return jnp.mean((out[:, 0] - batch["y"]) ** 2)
+
+
+def _torch_module_loss(model, clients):
+    per_client = [
+        ((model(x)[:, 0] - y) ** 2).mean() for x, y in zip(clients["x"], clients["y"], strict=True)
+    ]
+    return torch.stack(per_client).mean()
+
+
+def test_trains_an_nn_module_with_a_torch_optimizer_like_pure_torch():
+    model, clients = _model_and_data(0)
+    reference, _ = _model_and_data(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = map_reduce(_module_loss, dict(model.named_parameters()), clients)
+        loss.backward()
+        ref_opt.zero_grad()
+        ref_loss = _torch_module_loss(reference, clients)
+        ref_loss.backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert_trees_all_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+        assert_trees_all_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def _rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_thousand_step_training_loop_compiles_once_and_keeps_memory_flat():
+    model, clients = _model_and_data(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step():
+        opt.zero_grad()
+        map_reduce(_module_loss, dict(model.named_parameters()), clients).backward()
+        opt.step()
+
+    for _ in range(100):
+        step()
+    traces = _MAP_REDUCE.trace_count
+    gc.collect()
+    rss = _rss_mib()
+    for _ in range(1000):
+        step()
+    gc.collect()
+    assert _MAP_REDUCE.trace_count == traces
+    growth = _rss_mib() - rss
+    # Keeping each step's graph alive grows it by ~12 MiB here; a flat loop by ~0.
+    assert growth < 5, f"peak RSS grew by {growth:.1f} MiB over 1000 steps"
+
+
+def test_two_threads_train_two_models_at_once():
+    def train(seed, results):
+        model, clients = _model_and_data(seed, n=3 + seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(40):
+            opt.zero_grad()
+            map_reduce(_module_loss, dict(model.named_parameters()), clients).backward()
+            opt.step()
+        results[seed] = [p.detach().clone() for p in model.parameters()]
+
+    sequential, threaded = {}, {}
+    for seed in (0, 1):
+        train(seed, sequential)
+    threads = [threading.Thread(target=train, args=(seed, threaded)) for seed in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert_trees_all_close(threaded, sequential, rtol=0, atol=0)
