@@ -5,8 +5,8 @@ Run from the repository root:
     python -m benchmarks.bench_dlpack [--quick] [--device cpu|cuda] [--tensors N]
 
 Each path converts the same batch of N small tensors; the paths run interleaved, each
-repetition timing a fixed number of batch conversions, and the table reports the median and the
-minimum over repetitions, per tensor.
+repetition timing a fixed number of batch conversions, and the table reports per tensor the
+median and minimum wall time and the median thread CPU time over repetitions.
 """
 
 from __future__ import annotations
@@ -60,31 +60,39 @@ def _sync(device: str) -> None:
 
 def _measure(
     paths: dict[str, Path], n_tensors: int, calls: int, repetitions: int, device: str
-) -> dict[str, list[float]]:
-    """Per-tensor microseconds of each path, one entry per repetition, paths interleaved."""
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Per-tensor wall and thread-CPU microseconds of each path, one entry per repetition.
+
+    The paths run interleaved so that load from other processes hits them alike; thread CPU
+    time is the steadier number on a shared machine.
+    """
     for path in paths.values():  # warm-up: compile, allocate, fill caches
         for _ in range(3):
             path()
-    samples: dict[str, list[float]] = {name: [] for name in paths}
+    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in paths}
+    scale = 1e6 / (calls * n_tensors)
     for _ in range(repetitions):
         for name, path in paths.items():
             _sync(device)
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.thread_time()
             for _ in range(calls):
                 path()
             _sync(device)
-            elapsed = time.perf_counter() - start
-            samples[name].append(elapsed / (calls * n_tensors) * 1e6)
+            samples[name][0].append((time.perf_counter() - wall) * scale)
+            samples[name][1].append((time.thread_time() - cpu) * scale)
     return samples
 
 
-def _report(title: str, samples: dict[str, list[float]], public: str) -> None:
-    baseline = statistics.median(samples[public])
+def _report(title: str, samples: dict[str, tuple[list[float], list[float]]], public: str) -> None:
+    baseline = statistics.median(samples[public][0])
     print(f"\n{title}")
-    print(f"  {'path':40s} {'median us':>10s} {'min us':>8s} {'vs public':>10s}")
-    for name, values in samples.items():
-        median = statistics.median(values)
-        print(f"  {name:40s} {median:10.2f} {min(values):8.2f} {median / baseline:9.2f}x")
+    print(f"  {'path':40s} {'median us':>10s} {'min us':>8s} {'cpu us':>8s} {'vs public':>10s}")
+    for name, (wall, cpu) in samples.items():
+        median = statistics.median(wall)
+        print(
+            f"  {name:40s} {median:10.2f} {min(wall):8.2f} {statistics.median(cpu):8.2f} "
+            f"{median / baseline:9.2f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,7 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         f"cpus: {os.cpu_count()}, load: {os.getloadavg()[0]:.2f}"
     )
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
-    print(f"{repetitions} repetitions x {calls} batch calls; microseconds per tensor")
+    print(
+        f"{repetitions} repetitions x {calls} batch calls; microseconds per tensor: median and "
+        f"min wall time, median thread CPU time"
+    )
     n, device = len(tensors), args.device
     imports = _measure(_import_paths(tensors, device), n, calls, repetitions, device)
     _report("import torch -> JAX", imports, public="jax.dlpack.from_dlpack")
