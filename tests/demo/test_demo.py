@@ -74,6 +74,7 @@ def test_jax_client_functions_match_torch_func_baseline(data):
     (batch,) = client_batches(data, rounds=1, batch_size=32, seed=0)
     (batches,) = client_batches(data, rounds=1, batch_size=32, local_steps=4, seed=0)
 
+    @functools.partial(jax.jit, static_argnums=0)
     @jax_core.program(placements={"clients": data.n_clients})
     def mean_over_clients(fn, server, clients):
         return jax_core.reduce_mean(jax_core.map_fn(fn, (jax_core.broadcast(server), clients)))
