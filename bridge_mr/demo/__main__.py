@@ -1,7 +1,7 @@
 """`python -m bridge_mr.demo`: federated learning on digits, bridge_mr beside pure torch.
 
 python -m bridge_mr.demo                # 16 clients, 60 rounds of FedSGD and of FedAvg
-python -m bridge_mr.demo --quick        # a smoke run of a few seconds
+python -m bridge_mr.demo --quick        # smoke run: 15 rounds of each
 python -m bridge_mr.demo --clients 32 --rounds 100 --no-baseline
 """
 
