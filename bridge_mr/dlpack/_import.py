@@ -1,8 +1,12 @@
 """torch tensors -> JAX arrays.
 
-A compact (row-major or permuted-dense), 64-byte-aligned CPU or CUDA tensor of a supported
-dtype becomes a JAX array that shares its memory: no copy. Any other supported tensor is copied
-once into a fresh contiguous buffer first, and the copy is counted (`count_conversions`).
+A compact, 64-byte-aligned CPU or CUDA tensor of a supported dtype becomes a JAX array that
+shares its memory: no copy. Compact means row-major, or permuted-dense (e.g. transposed) where
+the installed jaxlib reads such tensors correctly (checked once per device type; jaxlib 0.10+
+does, jaxlib 0.7 does not). Any other supported tensor is copied once into a fresh contiguous
+buffer first, and the copy is counted (`count_conversions`). A CUDA tensor is shared with the
+JAX GPU of the same index, with JAX's reads ordered after the work queued on torch's current
+stream.
 
 Aliasing: a shared-memory JAX array is a view of the torch tensor. It is valid only while
 nobody writes to the tensor, and because JAX dispatches asynchronously, a caller that runs JAX
@@ -52,7 +56,9 @@ _NARROW: dict[torch.dtype, torch.dtype] = {
     torch.complex128: torch.complex64,
 }
 
-#: Start-address alignment JAX needs to alias a buffer (it silently copies otherwise on CPU).
+#: Start-address alignment needed to share a buffer. JAX's CPU backend aliases only 64-byte
+#: aligned buffers (it silently copies others). Its GPU backend aliases any start address, but
+#: XLA's GPU kernels assume aligned parameters, so misaligned CUDA tensors are copied as well.
 ALIGNMENT = 64
 
 _STRIDED = torch.strided
@@ -79,9 +85,10 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
     Each tensor becomes an array of the same shape and dtype on the matching JAX device
     (CPU -> the first JAX CPU device, `cuda:i` -> the JAX GPU with local id i). Tensors that
     require grad are detached. The result shares memory with the tensor when the tensor is
-    compact (contiguous or a permutation of contiguous) and its start is 64-byte aligned;
-    otherwise the tensor is copied once and the copy is counted (`count_conversions`). See the
-    module docstring for how long a shared-memory array stays valid.
+    compact (contiguous, or a permutation of contiguous on jaxlib 0.10+) and its start is
+    64-byte aligned; otherwise the tensor is copied once and the copy is counted
+    (`count_conversions`). See the module docstring for how long a shared-memory array stays
+    valid.
 
     Args:
       tree: a pytree (dicts, lists, tuples, namedtuples, None) of torch tensors and other leaves.
@@ -124,8 +131,9 @@ def _import_all(
     cpu = None
     cuda_ready: dict[int, tuple[Any, int | None]] = {}
     for index, tensor in enumerate(tensors):
-        # Fast path: anything unusual (including a failure here) is redone by `_import_one`,
-        # which copies where needed or raises an error that names the tensor.
+        # Fast path for row-major tensors. Anything else (including a failure here) is redone
+        # by `_import_one`, which shares permuted layouts, copies where needed, or raises an
+        # error that names the tensor.
         try:
             flags = DTYPE_FLAGS[tensor.dtype]
             on_cpu = tensor.is_cpu
@@ -133,6 +141,7 @@ def _import_all(
                 to_array is not None
                 and (on_cpu or tensor.is_cuda)
                 and tensor.layout is _STRIDED
+                and tensor.is_contiguous()
                 and not tensor.data_ptr() % ALIGNMENT
                 and not tensor.is_neg()
                 and not (flags & _COMPLEX and tensor.is_conj())
@@ -142,18 +151,16 @@ def _import_all(
                     # Without this the capsule would keep the autograd graph alive.
                     tensor = tensor.detach()
                 if on_cpu:
-                    if _PERMUTED_OK.get("cpu") or tensor.is_contiguous():
-                        if cpu is None:
-                            cpu = _runtime.jax_device("cpu", 0)
-                        append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
-                        continue
-                elif _PERMUTED_OK.get("cuda") or tensor.is_contiguous():
+                    if cpu is None:
+                        cpu = _runtime.jax_device("cpu", 0)
+                    append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
+                else:
                     cuda_index = tensor.get_device()
                     device, stream = cuda_ready.get(cuda_index) or _cuda_ready(
                         cuda_index, cuda_ready
                     )
                     append(to_array(to_capsule(tensor), device, stream, _runtime.DL_CUDA))
-                    continue
+                continue
         except Exception:
             pass
         append(_import_one(tensor, allow_x64_downcast, name_of, index, cuda_ready))
