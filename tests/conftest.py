@@ -9,13 +9,19 @@ from __future__ import annotations
 import os
 
 
+def _jaxlib_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("jaxlib").split(".")[:2])
+
+
 def _append_xla_flags() -> None:
     flags = os.environ.get("XLA_FLAGS", "").split()
-    wanted = {
-        "--xla_force_host_platform_device_count": "8",
+    wanted = {"--xla_force_host_platform_device_count": "8"}
+    if _jaxlib_version() >= (0, 10):
         # jaxlib 0.10 CPU: YNNPACK reduce fusion slows scan-of-vmap gradients (jax#37465).
-        "--xla_cpu_experimental_ynn_fusion_type": "-reduce",
-    }
+        # Older jaxlibs do not know the flag and abort on it.
+        wanted["--xla_cpu_experimental_ynn_fusion_type"] = "-reduce"
     present = {flag.split("=", 1)[0] for flag in flags}
     flags += [f"{name}={value}" for name, value in wanted.items() if name not in present]
     os.environ["XLA_FLAGS"] = " ".join(flags)
