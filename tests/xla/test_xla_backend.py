@@ -1,0 +1,322 @@
+"""call_jax_on_xla: JAX functions inside torch-xla's lazy graph (runs in .venv-xla)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import assert_trees_all_close
+
+from bridge_mr.torch_api._xla_backend import call_jax_on_xla, is_xla_tensor
+
+pytestmark = pytest.mark.xla
+
+
+@pytest.fixture(scope="module")
+def xla() -> Any:
+    """torch_xla, imported only in the environment that has it."""
+    import torch_xla
+    import torch_xla.debug.metrics
+
+    return torch_xla
+
+
+def _to_xla(xla: Any, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Device copies that are materialized, so that a later graph holds no pending ops for them."""
+    device_tensors = [t.to(xla.device()) for t in tensors]
+    xla.sync()
+    return device_tensors
+
+
+def _compiles(xla: Any) -> int:
+    return xla.debug.metrics.counter_value("UncachedCompile") or 0
+
+
+def _mixed(x: jax.Array, n: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
+    y = jnp.tanh(x) @ w
+    return y, jnp.cumsum(n * 2, axis=0), jnp.max(x, axis=1) > 0
+
+
+def test_results_match_jax_for_several_dtypes_and_outputs(xla: Any) -> None:
+    rng = np.random.default_rng(0)
+    x, n, w = rng.normal(size=(4, 3)), np.arange(8, dtype=np.int32), rng.normal(size=(3, 2))
+    got = call_jax_on_xla(_mixed, _to_xla(xla, *map(torch.from_numpy, (x, n, w))))
+    assert [t.dtype for t in got] == [torch.float64, torch.int32, torch.bool]
+    assert all(is_xla_tensor(t) for t in got)
+    assert_trees_all_close(got, list(jax.jit(_mixed)(x, n, w)), rtol=1e-12, atol=1e-12)
+
+
+def test_accepts_a_jitted_function_returning_a_list(xla: Any) -> None:
+    program = jax.jit(lambda a, b: [a * b, a - b])
+    a, b = torch.arange(6.0).reshape(2, 3), torch.full((2, 3), 2.0)
+    got = call_jax_on_xla(program, _to_xla(xla, a, b))
+    assert_trees_all_close(got, [a * b, a - b])
+
+
+def test_is_xla_tensor_tells_devices_apart(xla: Any) -> None:
+    assert is_xla_tensor(torch.ones(2, device=xla.device()))
+    assert not is_xla_tensor(torch.ones(2))
+    assert not is_xla_tensor(torch.ones(2, device="meta"))
+
+
+def test_outputs_are_lazy_and_never_require_grad(xla: Any) -> None:
+    (x,) = _to_xla(xla, torch.ones(3))
+    x.requires_grad_(True)
+    (y,) = call_jax_on_xla(_exp, [x])
+    assert not y.requires_grad
+    assert xla._XLAC._get_xla_tensors_text([y]).count("bridge_mr__exp") == 1
+    torch.testing.assert_close(y.cpu(), torch.exp(torch.ones(3)))
+
+
+def _exp(x: jax.Array) -> tuple[jax.Array]:
+    return (jnp.exp(x),)
+
+
+def test_same_function_and_signature_lowers_once_and_compiles_once(xla: Any) -> None:
+    traces = []
+
+    def step(x: jax.Array, w: jax.Array) -> tuple[jax.Array]:
+        traces.append(x.shape)
+        return (jnp.sin(x) @ w,)
+
+    w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
+    xla.debug.metrics.clear_all()
+    for i in range(5):
+        x = torch.full((2, 3), float(i), dtype=torch.float64)
+        (y,) = call_jax_on_xla(step, _to_xla(xla, x, w))
+        xla.sync()
+        torch.testing.assert_close(y.cpu(), torch.sin(x) @ w)
+    assert traces == [(2, 3)]
+    assert _compiles(xla) == 1
+    (y,) = call_jax_on_xla(step, _to_xla(xla, torch.zeros(5, 3, dtype=torch.float64), w))
+    xla.sync()
+    assert traces == [(2, 3), (5, 3)]
+    assert _compiles(xla) == 2
+
+
+def test_cache_does_not_keep_the_function_alive(xla: Any) -> None:
+    def double(x: jax.Array) -> tuple[jax.Array]:
+        return (x * 2,)
+
+    (y,) = call_jax_on_xla(double, _to_xla(xla, torch.ones(2)))
+    torch.testing.assert_close(y.cpu(), torch.full((2,), 2.0))
+    ref = weakref.ref(double)
+    del double
+    gc.collect()
+    assert ref() is None
+
+
+def _loss(w1: jax.Array, w2: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((jnp.tanh(x @ w1) @ w2 - y) ** 2)
+
+
+class _VjpPair:
+    """A forward returning (loss, *residuals) and a backward taking (*residuals, cotangent)."""
+
+    def __init__(self) -> None:
+        self.residual_tree: Any = None
+
+    def forward(self, *primals: jax.Array) -> tuple[jax.Array, ...]:
+        loss, vjp_fn = jax.vjp(_loss, *primals)
+        residuals, self.residual_tree = jax.tree.flatten(vjp_fn)
+        return (loss, *residuals)
+
+    def backward(self, *residuals_and_cotangent: jax.Array) -> tuple[jax.Array, ...]:
+        *residuals, cotangent = residuals_and_cotangent
+        return jax.tree.unflatten(self.residual_tree, residuals)(cotangent)
+
+
+def test_vjp_pair_under_torch_autograd_matches_torch_and_compiles_once(xla: Any) -> None:
+    pair = _VjpPair()
+    forward, backward = pair.forward, pair.backward  # Bound once: the cache keys on the object.
+
+    class Loss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *primals: torch.Tensor) -> torch.Tensor:
+            loss, *residuals = call_jax_on_xla(forward, primals)
+            ctx.save_for_backward(*residuals)
+            return loss
+
+        @staticmethod
+        def backward(ctx: Any, cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(call_jax_on_xla(backward, [*ctx.saved_tensors, cotangent]))
+
+    gen = torch.Generator().manual_seed(0)
+    w1, w2, x, y = (torch.randn(shape, generator=gen, dtype=torch.float64) for shape in
+                    [(3, 5), (5, 1), (7, 3), (7, 1)])  # fmt: skip
+    cpu = [t.clone().requires_grad_(True) for t in (w1, w2, x, y)]
+    expected = torch.mean((torch.tanh(cpu[2] @ cpu[0]) @ cpu[1] - cpu[3]) ** 2)
+    expected.backward()
+    on_xla = [t.requires_grad_(True) for t in _to_xla(xla, w1, w2, x, y)]
+    loss = Loss.apply(*on_xla)
+    loss.backward()
+    xla.sync()
+    assert_trees_all_close([loss, *(t.grad for t in on_xla)], [expected, *(t.grad for t in cpu)])
+
+    params = [p.detach().requires_grad_(True) for p in _to_xla(xla, w1, w2)]
+    data = _to_xla(xla, x, y)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    losses = []
+    xla.debug.metrics.clear_all()
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss = Loss.apply(*params, *data)
+        loss.backward()
+        optimizer.step()
+        xla.sync()
+        losses.append(loss.item())
+    assert _compiles(xla) == 1  # forward, backward and the SGD update: one graph, compiled once
+    assert losses[-1] < losses[0]
+
+
+def test_restores_the_shardy_flag(xla: Any) -> None:
+    (x,) = _to_xla(xla, torch.ones(2))
+    before = jax.config.jax_use_shardy_partitioner
+    try:
+        for shardy in (True, False):
+            jax.config.update("jax_use_shardy_partitioner", shardy)
+
+            def fresh(a: jax.Array) -> tuple[jax.Array]:
+                return (a + 1,)
+
+            (y,) = call_jax_on_xla(fresh, [x])
+            assert jax.config.jax_use_shardy_partitioner is shardy
+            torch.testing.assert_close(y.cpu(), torch.full((2,), 2.0))
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)
+
+
+def test_rejects_empty_and_non_xla_inputs(xla: Any) -> None:
+    with pytest.raises(ValueError, match="at least one XLA tensor"):
+        call_jax_on_xla(_exp, [])
+    (x,) = _to_xla(xla, torch.ones(2))
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on device cpu.*torch_xla.device\(\)"):
+        call_jax_on_xla(lambda a, b: (a + b,), [x, torch.ones(2)])
+    with pytest.raises(TypeError, match=r"tensors\[0\] must be a torch.Tensor; got ndarray"):
+        call_jax_on_xla(_exp, [np.ones(2)])
+
+
+def test_rejects_outputs_that_are_not_a_flat_sequence(xla: Any) -> None:
+    (x,) = _to_xla(xla, torch.ones(2))
+    with pytest.raises(TypeError, match=r"flat tuple or list of arrays \(`return \(y,\)`"):
+        call_jax_on_xla(jnp.sin, [x])
+    with pytest.raises(TypeError, match="flat tuple or list"):
+        call_jax_on_xla(lambda a: (a, (a, a)), [x])
+
+
+def test_64_bit_tensor_without_x64_names_the_setting(xla: Any) -> None:
+    (x,) = _to_xla(xla, torch.ones(2, dtype=torch.float64))
+    jax.config.update("jax_enable_x64", False)
+    try:
+        with pytest.raises(
+            TypeError, match=r"tensors\[0\] has dtype torch.float64.*jax_enable_x64"
+        ):
+            call_jax_on_xla(_exp, [x])
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
+class _SlottedCallable:
+    __slots__ = ()
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array]:
+        return (x,)
+
+
+def test_unreferenceable_function_is_rejected_with_a_fix(xla: Any) -> None:
+    (x,) = _to_xla(xla, torch.ones(2))
+    with pytest.raises(TypeError, match="weakly referenceable; got _SlottedCallable"):
+        call_jax_on_xla(_SlottedCallable(), [x])
+
+
+_SPMD_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import numpy as np
+    import torch
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()  # Before any XLA tensor exists.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+
+    from bridge_mr.torch_api._xla_backend import call_jax_on_xla
+
+    clients = AbstractMesh((4,), ("clients",), axis_types=(AxisType.Auto,))
+
+    def per_client_then_mean(x, w):
+        with jax.sharding.use_abstract_mesh(clients):
+            x = jax.lax.with_sharding_constraint(x, P("clients", None))
+            y = jax.vmap(lambda row: jnp.tanh(row * w), spmd_axis_name="clients")(x)
+            y = jax.lax.with_sharding_constraint(y, P("clients", None))
+        return y, jnp.mean(y, axis=0)
+
+    x = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32
+    w = torch.linspace(-1, 1, 8)
+    y, mean = call_jax_on_xla(per_client_then_mean, [x.to("xla"), w.to("xla")])
+    torch_xla.sync()
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    print(json.dumps({
+        "devices": xr.global_runtime_device_count(),
+        "y_spec": spec(y),
+        "mean_spec": spec(mean),
+        "y": y.cpu().tolist(),
+        "mean": mean.cpu().tolist(),
+    }))
+    """
+)
+
+
+def _run_child(script: str, cwd: Any) -> Any:
+    """Runs `script` in a fresh interpreter and returns the JSON of its last output line."""
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,  # imports the installed bridge_mr, not the source tree
+        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_backend_and_checking_devices_leaves_torch_xla_unloaded(
+    tmp_path: Any,
+) -> None:
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import torch
+        from bridge_mr.torch_api._xla_backend import is_xla_tensor
+        print(json.dumps([is_xla_tensor(torch.ones(2)), "torch_xla" in sys.modules]))
+        """
+    )
+    assert _run_child(script, tmp_path) == [False, False]
+
+
+def test_spmd_sharding_constraints_shard_the_client_axis(tmp_path: Any) -> None:
+    # SPMD mode is per process and must precede every XLA tensor, so this runs in a child.
+    result = _run_child(_SPMD_SCRIPT, tmp_path)
+    x = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32
+    expected = torch.tanh(x * torch.linspace(-1, 1, 8))
+    assert result["devices"] == 4
+    assert result["y_spec"] in ("{devices=[4,1]<=[4]}", "{devices=[4,1]0,1,2,3}")
+    assert result["mean_spec"] == "{replicated}"
+    torch.testing.assert_close(torch.tensor(result["y"]), expected)
+    torch.testing.assert_close(torch.tensor(result["mean"]), expected.mean(0))
