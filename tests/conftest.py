@@ -6,7 +6,10 @@ conftest, which pytest loads before any test module.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+
+_YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -18,10 +21,13 @@ def _jaxlib_version() -> tuple[int, ...]:
 def _append_xla_flags() -> None:
     flags = os.environ.get("XLA_FLAGS", "").split()
     wanted = {"--xla_force_host_platform_device_count": "8"}
-    if _jaxlib_version() >= (0, 10):
+    if importlib.util.find_spec("torch_xla") is not None:
+        # torch_xla 2.9's own XLA aborts the process on this flag, which it does not know.
+        flags = [flag for flag in flags if flag.split("=", 1)[0] != _YNN_FLAG]
+    elif _jaxlib_version() >= (0, 10):
         # jaxlib 0.10 CPU: YNNPACK reduce fusion slows scan-of-vmap gradients (jax#37465).
         # Older jaxlibs do not know the flag and abort on it.
-        wanted["--xla_cpu_experimental_ynn_fusion_type"] = "-reduce"
+        wanted[_YNN_FLAG] = "-reduce"
     present = {flag.split("=", 1)[0] for flag in flags}
     flags += [f"{name}={value}" for name, value in wanted.items() if name not in present]
     os.environ["XLA_FLAGS"] = " ".join(flags)
@@ -50,8 +56,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skips `xla`-marked tests where torch_xla is missing (scripts/test.sh runs them)."""
     del config  # Unused.
-    import importlib.util
-
     if importlib.util.find_spec("torch_xla") is not None:
         return
     skip = pytest.mark.skip(
