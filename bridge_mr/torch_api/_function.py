@@ -335,14 +335,16 @@ class _Entry:
     def backward(self, call: _Call, grad_outputs: Sequence[torch.Tensor]) -> list[Any]:
         """Gradients for every tensor input of `call` (None where none is needed)."""
         cotangents = [grad_outputs[i] for i in self.float_outputs]
-        if torch.is_grad_enabled():
-            # create_graph=True: recompute through a torch function of the VJP, which is itself
-            # differentiable, instead of using the saved (constant) residuals.
+        if torch.is_grad_enabled() or call.saved is None:
+            # create_graph=True, or another backward through a fused call whose gradients an
+            # earlier one handed over: recompute through a torch function of the VJP (itself
+            # differentiable) instead of using saved, constant values.
             call.check_versions()
             grads = self.vjp_function()(list(call.tensors), cotangents)
         elif self.fused:
             (scale,) = cotangents
-            grads = call.saved
+            # Keeping no reference lets AccumulateGrad adopt the gradients as .grad uncopied.
+            grads, call.saved = call.saved, None
             if not (scale.device.type == "cpu" and scale.item() == 1.0):
                 grads = [g * scale.to(g.dtype) for g in grads]
         else:
@@ -423,7 +425,7 @@ class _Call:
         self.entry = entry
         self.tensors = tensors
         self.versions = [t._version for t in tensors]
-        self.saved: list[Any] = []
+        self.saved: list[Any] | None = []
 
     def check_versions(self) -> None:
         """Raises if an input changed in place since forward (double backward reads inputs)."""
