@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from importlib import metadata
 
 from ._run import DemoConfig, DemoResult, run_demo
 
@@ -20,16 +21,22 @@ QUICK_ROUNDS = 15
 
 
 def configure_xla_flags() -> str:
-    """Appends the YNNPACK workaround to XLA_FLAGS unless set; returns the resulting flags.
+    """Appends the YNNPACK workaround to XLA_FLAGS on jaxlib >= 0.10; returns the flags.
 
-    XLA reads XLA_FLAGS when JAX starts its first backend, so this works as long as no JAX
-    computation has run yet, even after `import jax`.
+    Older jaxlibs do not know the flag and abort on it; a flag already in XLA_FLAGS is kept as
+    it is. XLA reads XLA_FLAGS when JAX starts its first backend, so this works as long as no
+    JAX computation has run yet, even after `import jax`.
     """
     flags = os.environ.get("XLA_FLAGS", "").split()
-    if not any(flag.split("=", 1)[0] == _XLA_FLAG for flag in flags):
+    present = any(flag.split("=", 1)[0] == _XLA_FLAG for flag in flags)
+    if not present and _jaxlib_version() >= (0, 10):
         flags.append(f"{_XLA_FLAG}={_XLA_FLAG_VALUE}")
         os.environ["XLA_FLAGS"] = " ".join(flags)
-    return os.environ["XLA_FLAGS"]
+    return os.environ.get("XLA_FLAGS", "")
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
 
 
 def _positive_int(text: str) -> int:
