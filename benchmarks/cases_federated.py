@@ -81,9 +81,12 @@ def measure_configs(
 
 def _round_configs(ctx: harness.Context, algo: str) -> tuple[list[FedConfig], list[str]]:
     notes = []
-    if ctx.quick:
+    if ctx.quick and algo == "fedsgd":
         sizes = {"small": (8, 64), "medium": (8,)}
         notes.append("--quick: clients {8, 64} for the small model and 8 for the medium one.")
+    elif ctx.quick:
+        sizes = {"small": (8, 64)}
+        notes.append("--quick: the small model at 8 and 64 clients only.")
     else:
         sizes = {"small": (8, 64, 512), "medium": (8, 64, 512) if algo == "fedsgd" else (8, 64)}
         if algo == "fedavg":
@@ -162,7 +165,7 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
     Peak RSS ("auto"): every row of the full run, the largest client count of --quick.
     """
     meter = LoadMeter()
-    clients = ctx.clients or ((8, 64, 512) if ctx.quick else (8, 32, 128, 512, 2048))
+    clients = ctx.clients or ((32, 512) if ctx.quick else (8, 32, 128, 512, 2048))
     configs = [FedConfig("fedavg", "small", c) for c in clients]
     case = report.CaseResult(
         name="scaling",
@@ -173,7 +176,7 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
     )
     if ctx.quick:
         case.notes.append(
-            "--quick: clients {8, 64, 512}, peak RSS at 512 only (the full run: 8 to 2048, "
+            "--quick: clients {32, 512}, peak RSS at 512 only (the full run: 8 to 2048, "
             "peak RSS at each)."
         )
     memory = [ctx.wants_memory(not ctx.quick or c == max(clients)) for c in clients]
@@ -188,21 +191,24 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
 def xla_rows(
     ctx: harness.Context, configs: list[FedConfig], case: report.CaseResult
 ) -> list[dict[str, Any]]:
-    """torch-xla rows for the configs with at most 64 clients, from the torch-xla environment.
+    """torch-xla rows for the configs with at most 64 clients (--quick: the first FedAvg one).
 
     Runs in this process if torch_xla is importable here, else in a child process of
     `.venv-xla/bin/python` when that exists; otherwise adds a note and returns no rows.
     """
     chosen = [cfg for cfg in configs if cfg.clients <= 64]
+    if ctx.quick:
+        chosen = [cfg for cfg in chosen if cfg.algo == "fedavg"][:1]
+        if not chosen:
+            return []
     spec = {
         "configs": [dataclasses.asdict(cfg) for cfg in chosen],
         "policy": dataclasses.asdict(ctx.policy),
     }
     if _has_torch_xla():
-        rows = run_xla_spec(spec)
+        result = run_xla_spec(spec)
     elif os.path.exists(XLA_PYTHON):
-        flags = environment.without_ynn_flag(os.environ.get("XLA_FLAGS", ""))
-        env = {**os.environ, "PJRT_DEVICE": "CPU", "XLA_FLAGS": flags}
+        env = {**os.environ, "PJRT_DEVICE": "CPU"}
         print(f"{case.name}: torch-xla rows in {XLA_PYTHON} ...", file=sys.stderr)
         done = subprocess.run(
             [XLA_PYTHON, "-m", "benchmarks._xla_child", json.dumps(spec)],
@@ -216,17 +222,18 @@ def xla_rows(
             case.notes.append(f"torch-xla rows failed: the child exited with {done.returncode}.")
             return []
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        rows = result["rows"]
-        case.notes.append(
-            f"torch-xla rows (suffix /xla): separate process, torch {result['torch']}, "
-            f"torch_xla {result['torch_xla']}, PJRT_DEVICE=CPU ({result['device']}), XLA_FLAGS "
-            f"without {environment.YNN_FLAG} (torch_xla's XLA rejects it); its "
-            "alternatives are interleaved with each other only, baseline torch_xla (pure "
-            "torch-xla: torch.func.vmap + functional_call on the XLA device)."
-        )
     else:
         case.notes.append("No torch-xla rows: torch_xla is not importable and .venv-xla is absent.")
         return []
+    rows = result["rows"]
+    case.notes.append(
+        f"torch-xla rows (suffix /xla): torch {result['torch']}, torch_xla "
+        f"{result['torch_xla']} on {result['device']} (PJRT_DEVICE=CPU), XLA_FLAGS "
+        f"{result['xla_flags']!r} (torch_xla's XLA rejects {environment.YNN_FLAG}); a separate "
+        "process unless run in that environment; its alternatives are interleaved with each "
+        "other only, baseline torch_xla (pure torch-xla: torch.func.vmap + functional_call on "
+        "the XLA device)."
+    )
     for row in rows:
         entry = row["alternatives"].get("bridge_mr_xla", {})
         ratio = entry.get("ratio_to_baseline")
@@ -249,8 +256,15 @@ def _has_torch_xla() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
-def run_xla_spec(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows comparing bridge_mr on torch-xla with pure torch-xla for the spec's configs."""
+def run_xla_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """bridge_mr on torch-xla against pure torch-xla for the spec's configs.
+
+    Returns:
+      {"rows": [row], "torch", "torch_xla", "device", "xla_flags"}.
+    """
+    import torch
+    import torch_xla
+
     policy = harness.TimingPolicy(**spec["policy"])
     rows = []
     for fields in spec["configs"]:
@@ -266,4 +280,10 @@ def run_xla_spec(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 metrics={"client_updates_per_s": cfg.clients},
             )
         )
-    return rows
+    return {
+        "rows": rows,
+        "torch": torch.__version__,
+        "torch_xla": torch_xla.__version__,
+        "device": str(torch_xla.device()),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }

@@ -16,25 +16,25 @@ YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
 
 
 def configure() -> str:
-    """Appends `YNN_FLAG` to XLA_FLAGS unless set or torch_xla is installed; returns XLA_FLAGS.
+    """Sets XLA_FLAGS for this process and its children; returns it.
 
-    torch_xla 2.9 parses XLA_FLAGS too and aborts on this flag, which its XLA does not know.
-    Takes effect only if it runs before JAX creates its CPU backend (before `import jax` is
-    safest).
+    Appends `YNN_FLAG` (unless that flag is set) where jaxlib >= 0.10; older jaxlibs abort on
+    it. Where torch_xla is installed, removes it instead: torch_xla 2.9's own XLA parses
+    XLA_FLAGS too and aborts on a flag it does not know. Takes effect only if it runs before
+    JAX creates its CPU backend (before `import jax` is safest).
     """
     flags = os.environ.get("XLA_FLAGS", "").split()
     name = YNN_FLAG.split("=", 1)[0]
-    present = any(flag.split("=", 1)[0] == name for flag in flags)
-    if not present and importlib.util.find_spec("torch_xla") is None:
+    if importlib.util.find_spec("torch_xla") is not None:
+        flags = [flag for flag in flags if flag.split("=", 1)[0] != name]
+    elif _jaxlib_version() >= (0, 10) and not any(f.split("=", 1)[0] == name for f in flags):
         flags.append(YNN_FLAG)
     os.environ["XLA_FLAGS"] = " ".join(flags)
     return os.environ["XLA_FLAGS"]
 
 
-def without_ynn_flag(xla_flags: str) -> str:
-    """`xla_flags` less `YNN_FLAG` (for a torch_xla child process)."""
-    name = YNN_FLAG.split("=", 1)[0]
-    return " ".join(f for f in xla_flags.split() if f.split("=", 1)[0] != name)
+def _jaxlib_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
 
 
 def _cpu_model() -> str:

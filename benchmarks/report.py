@@ -202,6 +202,11 @@ def case_markdown(case: CaseResult) -> str:
         }
     )
     lines += [f"- {note}" for note in case.notes] + [f"- n/a: {e}" for e in errors]
+    if case.load.get("other_cpus_busy") is not None:
+        lines.append(
+            f"- Load: other processes kept {case.load['other_cpus_busy']:.2f} CPUs busy on "
+            f"average during this case ({case.load['wall_s']:.0f} s)."
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 
