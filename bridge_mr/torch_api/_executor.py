@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bridge_mr.dlpack import export_arrays, import_tensors
 
@@ -46,16 +47,23 @@ class Runner(Protocol):
 
 
 def runner_for(
-    device_type: str, program: Program, in_avals: Sequence[Aval], n_exported: int, pack_from: int
+    device_type: str,
+    program: Program,
+    in_avals: Sequence[Aval],
+    n_exported: int,
+    pack_from: int,
+    mesh: Mesh | None,
 ) -> Runner:
     """The runner for tensors of `device_type` ("cpu", "cuda", "xla", ...).
 
     `in_avals` describe the tensor inputs. Exported outputs from index `pack_from` on (such as
     gradients) may come back as views of one shared buffer; earlier ones are separate tensors.
+    A program that shards over a multi-device `mesh` gets its tensor inputs replicated over it
+    and its exported outputs gathered (torch sees one device).
     """
     if device_type == "xla":
         return _XlaRunner(program, n_exported)
-    return _DlpackRunner(program, in_avals, n_exported, pack_from)
+    return _DlpackRunner(program, in_avals, n_exported, pack_from, mesh)
 
 
 def _pack_groups(avals: Sequence[Aval]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
@@ -73,9 +81,15 @@ class _DlpackRunner:
     """Imports tensors without copying (small ones packed per dtype), runs, exports."""
 
     def __init__(
-        self, program: Program, in_avals: Sequence[Aval], n_exported: int, pack_from: int
+        self,
+        program: Program,
+        in_avals: Sequence[Aval],
+        n_exported: int,
+        pack_from: int,
+        mesh: Mesh | None,
     ) -> None:
         self._program = program
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._in_avals = list(in_avals)
         self._in_groups, self._in_singles = _pack_groups(in_avals)
         self._n_exported = n_exported
@@ -99,6 +113,9 @@ class _DlpackRunner:
         for i, array in zip(self._in_singles, flat[len(self._in_groups) : n_in], strict=True):
             arrays[i] = array
         outputs = self._program(*arrays, *flat[n_in:])
+        if self._replicated is not None:
+            exported = [jax.device_put(o, self._replicated) for o in outputs[: self._n_exported]]
+            outputs = [*exported, *outputs[self._n_exported :]]
         head, tail = outputs[: self._pack_from], outputs[self._pack_from : self._n_exported]
         groups, singles = _pack_groups([(o.shape, np.dtype(o.dtype)) for o in tail])
         self._out_groups, self._out_singles = groups, singles
@@ -115,7 +132,10 @@ class _DlpackRunner:
             for group in self._in_groups
         ]
         crossing += [tensors[i] for i in self._in_singles]
-        outputs = self._packed(*import_tensors(crossing), *carried)
+        arrays = import_tensors(crossing)
+        if self._replicated is not None:
+            arrays = jax.device_put(arrays, self._replicated)
+        outputs = self._packed(*arrays, *carried)
         if outputs:
             # JAX dispatch is asynchronous and the inputs alias torch memory: the caller may
             # write to them as soon as we return. All outputs of one execution complete together.

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.sharding import Mesh
 
 from bridge_mr.jax_core import current_placement
 
@@ -124,7 +125,14 @@ class TorchFunction:
                 static_keys.append(static_key(leaf) if isinstance(leaf, FUNCTION_TYPES) else leaf)
         if not tensors and self._passthrough_jax:
             return self._jax_fn(*args, **kwargs)
-        key = (treedef, tuple(static_keys), tuple(signature), grad, current_placement())
+        key = (
+            treedef,
+            tuple(static_keys),
+            tuple(signature),
+            grad,
+            current_placement(),
+            jax.sharding.get_abstract_mesh(),
+        )
         try:
             entry = self._entries.get(key)
         except TypeError:
@@ -248,8 +256,9 @@ class _Entry:
             i for i in range(self.n_out) if i not in frozenset(self.float_outputs)
         )
         n_exported = self.n_out + (len(self.diff) if self.fused else 0)
+        self.mesh = _mesh_of(statics)
         self.forward = runner_for(
-            self.device_type, self._program, self.in_avals, n_exported, self.n_out
+            self.device_type, self._program, self.in_avals, n_exported, self.n_out, self.mesh
         )
 
     # Traced JAX functions. Each counts as a trace of the owner.
@@ -361,7 +370,12 @@ class _Entry:
                 if self._backward is None:
                     program = self._traced_backward_program()
                     self._backward = runner_for(
-                        self.device_type, program, self.cotangent_avals(), len(self.diff), 0
+                        self.device_type,
+                        program,
+                        self.cotangent_avals(),
+                        len(self.diff),
+                        0,
+                        self.mesh,
                     )
         return self._backward
 
@@ -393,7 +407,7 @@ class _Entry:
                 if self._op_runners is None:
                     n_total = self.n_out + len(self.extra_avals())
                     forward = runner_for(
-                        self.device_type, self._program, self.in_avals, n_total, n_total
+                        self.device_type, self._program, self.in_avals, n_total, n_total, self.mesh
                     )
                     backward = None
                     if self.diff and not self.fused:
@@ -403,6 +417,7 @@ class _Entry:
                             [*self.cotangent_avals(), *self.extra_avals()],
                             len(self.diff),
                             len(self.diff),
+                            self.mesh,
                         )
                     self._op_runners = (forward, backward)
         return self._op_runners
@@ -466,6 +481,16 @@ class _JaxCall(torch.autograd.Function):
 # Function.apply binds its arguments with inspect.signature on every call (tens of µs); with no
 # functorch transform active it then calls this C++ apply, which we call directly.
 _apply = super(torch.autograd.Function, _JaxCall).apply
+
+
+def _mesh_of(statics: Sequence[Any]) -> Mesh | None:
+    """The multi-device mesh a call runs on: a Mesh argument, else the one `jax.set_mesh` set."""
+    for leaf in statics:
+        if isinstance(leaf, Mesh) and leaf.size > 1:
+            return leaf
+    get_mesh = getattr(jax.sharding, "get_mesh", None)  # Not in every supported jax.
+    mesh = get_mesh() if get_mesh is not None else None
+    return mesh if mesh is not None and not mesh.empty and mesh.size > 1 else None
 
 
 def _leaf_paths(treedef: Any, arg_names: Sequence[str]) -> list[str]:

@@ -89,6 +89,10 @@ def map_reduce_program(
         if reduce == "mean":
             return jax_core.reduce_mean(results)
         _check_weights(weights, n)
+        if mesh is not None:
+            # Placed like the results: the reduction cannot see `mesh`, and an Explicit mesh
+            # refuses to combine values sharded along the placement with unsharded ones.
+            weights = jax_core.map_fn(lambda w: w, weights, mesh=mesh)
         return jax_core.reduce_weighted_mean(results, weights)
 
 

@@ -13,8 +13,10 @@ import torch
 from helpers import assert_trees_all_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import AxisType
 
-from bridge_mr.torch_api import map_reduce
+from bridge_mr import jax_core
+from bridge_mr.torch_api import broadcast, map_reduce
 from bridge_mr.torch_api._map_reduce import _MAP_REDUCE
 
 F64 = torch.float64
@@ -204,3 +206,45 @@ def test_two_threads_train_two_models_at_once():
     for t in threads:
         t.join()
     assert_trees_all_close(threaded, sequential, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_over_a_mesh_equals_unsharded(axis_type):
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(getattr(AxisType, axis_type),))
+    params, clients, weights = _case(8)
+    x = clients["x"].requires_grad_()
+    server = {k: v.requires_grad_() for k, v in params.items()}
+
+    def run(reduce="mean", **kwargs):
+        loss = map_reduce(
+            _client_loss,
+            server,
+            clients,
+            reduce=reduce,
+            weights=weights if reduce == "weighted_mean" else None,
+            **kwargs,
+        )
+        return loss, torch.autograd.grad(loss, [*server.values(), x])
+
+    for reduce in ("mean", "weighted_mean"):
+        want = run(reduce)
+        with jax.set_mesh(mesh):
+            assert_trees_all_close(run(reduce), want, rtol=1e-12, atol=1e-12)
+    assert_trees_all_close(run(mesh=mesh), run(), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        assert_trees_all_close(
+            map_reduce(_client_loss, server, clients, reduce="weighted_mean", weights=weights),
+            map_reduce(
+                _client_loss,
+                server,
+                clients,
+                reduce="weighted_mean",
+                weights=weights,
+                mesh=mesh,
+            ),
+            rtol=1e-12,
+        )
+    with jax_core.program(placements={"clients": 8}):
+        placed = broadcast(torch.ones(2, dtype=F64, requires_grad=True), mesh=mesh)
+    assert placed.shape == (8, 2)
+    assert placed.device.type == "cpu"
