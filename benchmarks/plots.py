@@ -21,12 +21,15 @@ _COLORS = {
 }
 
 
+_OTHER_COLORS = ["tab:purple", "tab:brown", "tab:gray", "tab:cyan", "gold", "navy"]
+
+
 def _color(name: str, index: int) -> str:
     if name in _COLORS:
         return _COLORS[name]
     if name.startswith("bridge"):
         return "tab:red"
-    return f"C{index % 10}"
+    return _OTHER_COLORS[index % len(_OTHER_COLORS)]
 
 
 def _names(rows: list[dict[str, Any]]) -> list[str]:
@@ -159,24 +162,47 @@ def _boundary(case: dict[str, Any], out_dir: str, footer: str) -> list[str]:
     return [_save(fig, out_dir, "boundary.png", f"Boundary cost — {footer}")]
 
 
+def _panels(
+    rows: list[dict[str, Any]], value: Any, ylabel: str, *, log: bool
+) -> tuple[Any, list[Any]]:
+    """One bar chart per row, over that row's own alternatives."""
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.4 * len(rows), 4.4), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        names = [n for n, e in row["alternatives"].items() if "median_s" in e]
+        values = [value(row["alternatives"][n]) for n in names]
+        ax.bar(range(len(names)), values, color=[_color(n, i) for i, n in enumerate(names)])
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+        ax.set_title(row["id"], fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+    return fig, list(axes[0])
+
+
 def _overhead(case: dict[str, Any], out_dir: str, footer: str) -> list[str]:
-    fig, axes = plt.subplots(
-        1, len(case["rows"]), figsize=(3.2 * len(case["rows"]), 4.2), squeeze=False
-    )
-    for ax, row in zip(axes[0], case["rows"], strict=True):
-        _grouped_bars(ax, [row], lambda e: e["median_s"] * 1e6, "µs per fwd+bwd", log=False)
+    fig, _ = _panels(case["rows"], lambda e: e["median_s"] * 1e6, "µs per fwd+bwd", log=True)
     return [_save(fig, out_dir, "overhead.png", f"Bridge overhead — {footer}")]
 
 
 def _limits(case: dict[str, Any], out_dir: str, footer: str) -> list[str]:
+    def rate(entry: dict[str, Any]) -> float:
+        return entry.get("gb_per_s") or entry.get("gflop_per_s") or 0.0
+
     rows = case["rows"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    bandwidth = [r for r in rows if r["id"].startswith("reduce_sum")]
-    compute = [r for r in rows if not r["id"].startswith("reduce_sum")]
-    if bandwidth:
-        _grouped_bars(left, bandwidth, lambda e: e.get("gb_per_s"), "GB/s moved", log=False)
-    if compute:
-        _grouped_bars(right, compute, lambda e: e.get("gflop_per_s"), "GFLOP/s", log=False)
+    fig, axes = _panels(rows, rate, "GB/s moved or GFLOP/s", log=False)
+    matmul = [
+        e["gflop_per_s"]
+        for row in rows
+        if row["id"].startswith("matmul")
+        for e in row["alternatives"].values()
+        if "gflop_per_s" in e
+    ]
+    for ax, row in zip(axes, rows, strict=True):
+        if row["id"].startswith("client update") and matmul:
+            ax.axhline(max(matmul), color="black", linestyle="--", linewidth=1)
+            ax.text(0, max(matmul), " large-matmul GFLOP/s", fontsize=7, va="bottom")
     return [_save(fig, out_dir, "limits.png", f"Physical limits — {footer}")]
 
 
