@@ -13,30 +13,30 @@ Cases (float32, CPU):
 
 Each round times every contestant for a block of iterations, in turn; the reported time is the
 median over rounds of the per-iteration time. XLA_FLAGS gets
---xla_cpu_experimental_ynn_fusion_type=-reduce appended (a jaxlib 0.10 CPU slowdown, jax#37465).
+--xla_cpu_experimental_ynn_fusion_type=-reduce appended where jaxlib >= 0.10 (a CPU slowdown,
+jax#37465; see `benchmarks.environment.configure`), and the flags are printed.
 """
 
 from __future__ import annotations
 
-import os
+from .environment import configure
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type=-reduce"
-).strip()
+XLA_FLAGS = configure()  # Before JAX starts its CPU backend.
 
-import argparse
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
+import argparse  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-from bridge_mr import jax_core
-from bridge_mr.torch_api import map_reduce, torch_function
+from bridge_mr import jax_core  # noqa: E402
+from bridge_mr.torch_api import map_reduce, torch_function  # noqa: E402
 
 Params = dict[str, Any]
 
@@ -175,7 +175,7 @@ def main() -> None:
     rounds, block = (5, 50) if args.quick else (30, 200)
     medium_rounds, medium_block = (3, 3) if args.quick else (15, 10)
 
-    print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
+    print(f"XLA_FLAGS={XLA_FLAGS}")
     print(
         f"torch {torch.__version__}, jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs"

@@ -49,9 +49,9 @@ class TorchFunction:
     tensor for a value that changes from call to call. A static function (a lambda, a
     `functools.partial`) is keyed by its code, defaults and captured values, so one re-created
     on every call does not trace again. Outputs come back as torch tensors in the structure the
-    JAX function returns. Each distinct signature (tree structure, static values,
-    shapes, dtypes, devices, which inputs need gradients, grad mode, active placement) is traced
-    once; `trace_count` says how many JAX traces this function has done so far.
+    JAX function returns. Each distinct signature (tree structure, static values, shapes,
+    dtypes, devices, which inputs need gradients, grad mode, the active placement and mesh) is
+    traced once; `trace_count` says how many JAX traces this function has done so far.
 
     With `passthrough_jax=True`, a call whose arguments hold no torch tensor is a plain call of
     the JAX function (JAX arrays in, JAX arrays out). `name` and `arg_names` (the names of the
@@ -237,7 +237,7 @@ class _Entry:
                     "differentiate them. Pass real and imaginary parts as two real tensors."
                 )
         self.out_def: Any = None
-        self.out_avals: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
+        self.out_avals: tuple[_avals.Aval, ...] = ()
         self.fused = False
         self.res_def: Any = None
         self.res_avals: list[jax.ShapeDtypeStruct] = []
@@ -258,7 +258,7 @@ class _Entry:
         n_exported = self.n_out + (len(self.diff) if self.fused else 0)
         self.mesh = _mesh_of(statics)
         self.forward = runner_for(
-            self.device_type, self._program, self.in_avals, n_exported, self.n_out, self.mesh
+            self.device_type, self._program, self.in_avals, n_exported, self.mesh
         )
 
     # Traced JAX functions. Each counts as a trace of the owner.
@@ -279,9 +279,8 @@ class _Entry:
                     "jnp.asarray(value), or pass non-array results outside the function."
                 )
         out_avals = tuple((tuple(leaf.shape), np.dtype(leaf.dtype)) for _, leaf in path_leaves)
-        for shape, dtype in out_avals:
-            del shape  # Only the dtype needs a torch equivalent here.
-            _avals.torch_dtype(dtype)
+        for _, dtype in out_avals:
+            _avals.torch_dtype(dtype)  # Raises for a dtype torch does not have.
         if self.out_def is not None and (out_def, out_avals) != (self.out_def, self.out_avals):
             raise ValueError(
                 f"{self.owner!r}: the output tree changed between two traces of the same call "
@@ -370,12 +369,7 @@ class _Entry:
                 if self._backward is None:
                     program = self._traced_backward_program()
                     self._backward = runner_for(
-                        self.device_type,
-                        program,
-                        self.cotangent_avals(),
-                        len(self.diff),
-                        0,
-                        self.mesh,
+                        self.device_type, program, self.cotangent_avals(), len(self.diff), self.mesh
                     )
         return self._backward
 
@@ -407,7 +401,7 @@ class _Entry:
                 if self._op_runners is None:
                     n_total = self.n_out + len(self.extra_avals())
                     forward = runner_for(
-                        self.device_type, self._program, self.in_avals, n_total, n_total, self.mesh
+                        self.device_type, self._program, self.in_avals, n_total, self.mesh
                     )
                     backward = None
                     if self.diff and not self.fused:
@@ -415,7 +409,6 @@ class _Entry:
                             self.device_type,
                             self._traced_backward_program(),
                             [*self.cotangent_avals(), *self.extra_avals()],
-                            len(self.diff),
                             len(self.diff),
                             self.mesh,
                         )

@@ -2,8 +2,9 @@
 
 A function passed as a static argument (the `fn` of `map_fn` or `map_reduce`) is often a
 lambda or a `functools.partial` built anew on every call. Keyed by identity, each call would
-trace and compile again; keyed by what determines its trace (code, defaults and captured
-values, the unhashable ones by identity) a re-created but equivalent function hits the cache.
+trace and compile again; keyed by what determines its trace (code, globals, defaults and
+captured values, the unhashable ones by identity) a re-created but equivalent function hits
+the cache. (A global reassigned between calls is not seen, as with `jax.jit`.)
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ def _captured_key(value: Any) -> Any:
 
 
 class _FunctionKey:
-    """Equal for functions with the same code, defaults and captured values."""
+    """Equal for functions with the same code, globals, defaults and captured values."""
 
-    __slots__ = ("_hash", "_parts")
+    __slots__ = ("_globals", "_hash", "_parts")
 
     def __init__(self, fn: types.FunctionType | functools.partial[Any]) -> None:
         if isinstance(fn, functools.partial):
+            self._globals = None
             parts: tuple[Any, ...] = (
                 functools.partial,
                 static_key(fn.func),
@@ -66,6 +68,8 @@ class _FunctionKey:
                 tuple(sorted((k, _captured_key(v)) for k, v in fn.keywords.items())),
             )
         else:
+            # Equal code objects from two modules read different globals.
+            self._globals = fn.__globals__
             parts = (
                 fn.__code__,
                 tuple(_captured_key(d) for d in fn.__defaults__ or ()),
@@ -73,10 +77,14 @@ class _FunctionKey:
                 tuple(_captured_key(_cell_value(c)) for c in fn.__closure__ or ()),
             )
         self._parts = parts
-        self._hash = hash(parts)
+        self._hash = hash((id(self._globals), parts))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _FunctionKey) and other._parts == self._parts
+        return (
+            isinstance(other, _FunctionKey)
+            and other._globals is self._globals
+            and other._parts == self._parts
+        )
 
     def __hash__(self) -> int:
         return self._hash
