@@ -14,7 +14,7 @@ outputs as XLA tensors; carried values are then XLA tensors too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from bridge_mr.dlpack import export_arrays, import_tensors
 
 from ._avals import Aval
+from ._xla_backend import call_jax_on_xla
 
 # Below this size importing a tensor (~10 µs of Python and runtime work each) costs more than
 # copying it into a shared buffer, so small tensors of one dtype cross together. (Exports cost
@@ -111,7 +112,7 @@ class _DlpackRunner:
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
         crossing = [
-            torch._utils._flatten_dense_tensors([tensors[i] for i in group])
+            torch._C._nn.flatten_dense_tensors([tensors[i] for i in group])
             for group in self._groups
         ]
         crossing += [tensors[i] for i in self._singles]
@@ -131,20 +132,12 @@ class _XlaRunner:
     """Embeds the program in torch-xla's lazy graph; carried values are XLA tensors."""
 
     def __init__(self, program: Program, n_exported: int) -> None:
-        try:
-            from ._xla_backend import call_jax_on_xla
-        except ImportError as err:
-            raise ImportError(
-                "bridge_mr got torch-xla tensors but cannot load its torch-xla backend "
-                f"({err}). Install it with: pip install torch==2.9.0 torch_xla==2.9.0 flax"
-            ) from err
-        self._call: Callable[[Program, Sequence[Any]], list[torch.Tensor]] = call_jax_on_xla
         self._program = program
         self._n_exported = n_exported
 
     def __call__(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
-        outputs = self._call(self._program, [*tensors, *carried])
+        outputs = call_jax_on_xla(self._program, [*tensors, *carried])
         n = self._n_exported
-        return list(outputs[:n]), list(outputs[n:])
+        return outputs[:n], outputs[n:]
