@@ -40,6 +40,9 @@ class _TensorSlot:
 _TENSOR = _TensorSlot()
 _MAX_ENTRIES = 256
 
+# The mesh `jax.set_mesh` activates (part of the compile key); older jax has no such context.
+_ambient_mesh = getattr(jax.sharding, "get_abstract_mesh", lambda: None)
+
 
 class TorchFunction:
     """A JAX function callable on pytrees of torch tensors, differentiable by torch autograd.
@@ -131,7 +134,7 @@ class TorchFunction:
             tuple(signature),
             grad,
             current_placement(),
-            jax.sharding.get_abstract_mesh(),
+            _ambient_mesh(),
         )
         try:
             entry = self._entries.get(key)
@@ -161,7 +164,8 @@ class TorchFunction:
             entry = self._entries.get(key)
             if entry is None:
                 entry = _Entry(self, treedef, statics, tensors, diff)
-                if len(self._entries) >= _MAX_ENTRIES:
+                # Compiled graphs name a compilable function's entries by uid: those stay.
+                if not self.compilable and len(self._entries) >= _MAX_ENTRIES:
                     del self._entries[next(iter(self._entries))]
                 self._entries[key] = entry
             return entry
