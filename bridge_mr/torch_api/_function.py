@@ -143,11 +143,10 @@ class TorchFunction:
         if entry is None:
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
             entry = self._entry(key, treedef, statics, tensors, diff)
-        if entry.diff:
-            if torch._C._are_functorch_transforms_active():
-                outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
-            else:
-                outputs = _apply(_Call(entry, tensors), *tensors)
+        if torch._C._are_functorch_transforms_active():
+            outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
+        elif entry.diff:
+            outputs = _apply(_Call(entry, tensors), *tensors)
         else:
             outputs, _ = entry.forward(tensors, ())
         return jax.tree_util.tree_unflatten(entry.out_def, outputs)
@@ -473,6 +472,14 @@ class _JaxCall(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
         call = ctx.call
         return (None, *call.entry.backward(call, grad_outputs))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, call: _Call, *tensors: torch.Tensor) -> Any:
+        raise NotImplementedError(
+            f"torch.func.vmap over {call.entry.owner!r} is not supported: JAX cannot see torch's "
+            "batching. Batch inside JAX instead: jax.vmap in the JAX function, or map_fn over "
+            "a placement."
+        )
 
 
 # Function.apply binds its arguments with inspect.signature on every call (tens of µs); with no

@@ -338,3 +338,11 @@ def test_re_created_static_functions_reuse_the_trace():
     for _ in range(2):
         assert_trees_all_close(f(lambda v: v + captured.numpy(), x), x + 1)
     assert f.trace_count == 4  # Captured by identity: the same object, one trace.
+
+
+def test_torch_func_grad_works_and_vmap_explains():
+    f = torch_function(lambda w: jnp.sum(jnp.sin(w) ** 2))
+    w = torch.randn(3, dtype=F64)
+    assert_trees_all_close(torch.func.grad(f)(w), torch.sin(2 * w), rtol=1e-12)
+    with pytest.raises(NotImplementedError, match="Batch inside JAX instead"):
+        torch.func.vmap(torch_function(jnp.sin))(torch.randn(2, 3, dtype=F64))
