@@ -171,14 +171,24 @@ def report(title: str, times: dict[str, float], base: str, targets: dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    parser.add_argument(
+        "--sync-dispatch",
+        action="store_true",
+        help="run JAX CPU computations on the calling thread (jax_cpu_enable_async_dispatch="
+        "False) for every contestant: no thread handoff per call",
+    )
     args = parser.parse_args()
+    if args.sync_dispatch:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)  # Before the backend starts.
     rounds, block = (5, 50) if args.quick else (30, 200)
     medium_rounds, medium_block = (3, 3) if args.quick else (15, 10)
 
     print(f"XLA_FLAGS={XLA_FLAGS}")
+    print(f"jax_cpu_enable_async_dispatch={jax.config.read('jax_cpu_enable_async_dispatch')}")
     print(
         f"torch {torch.__version__}, jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs"
+        f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
 
     tiny = bench(fedsgd_contestants(4, 8, 16, torch_loop=True), rounds, block)
