@@ -44,7 +44,7 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "limits": cases_limits.run,
 }
 
-QUICK = harness.TimingPolicy(reps=5, min_reps=3, warmup=1, min_sample_s=0.02, budget_s=4.0)
+QUICK = harness.TimingPolicy(reps=5, min_reps=2, warmup=1, min_sample_s=0.02, budget_s=3.0)
 FULL = harness.TimingPolicy(reps=11, min_reps=3, warmup=1, min_sample_s=0.05, budget_s=20.0)
 
 

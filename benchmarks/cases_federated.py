@@ -165,7 +165,7 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
     Peak RSS ("auto"): every row of the full run, the largest client count of --quick.
     """
     meter = LoadMeter()
-    clients = ctx.clients or ((32, 512) if ctx.quick else (8, 32, 128, 512, 2048))
+    clients = ctx.clients or ((16, 128) if ctx.quick else (8, 32, 128, 512, 2048))
     configs = [FedConfig("fedavg", "small", c) for c in clients]
     case = report.CaseResult(
         name="scaling",
@@ -176,7 +176,7 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
     )
     if ctx.quick:
         case.notes.append(
-            "--quick: clients {32, 512}, peak RSS at 512 only (the full run: 8 to 2048, "
+            "--quick: clients {16, 128}, peak RSS at 128 only (the full run: 8 to 2048, "
             "peak RSS at each)."
         )
     memory = [ctx.wants_memory(not ctx.quick or c == max(clients)) for c in clients]
@@ -191,12 +191,14 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
 def xla_rows(
     ctx: harness.Context, configs: list[FedConfig], case: report.CaseResult
 ) -> list[dict[str, Any]]:
-    """torch-xla rows for the configs with at most 64 clients (--quick: the first FedAvg one).
+    """torch-xla rows for the small model up to 64 clients and the medium one at 8 or fewer.
+
+    --quick: the first FedAvg one only.
 
     Runs in this process if torch_xla is importable here, else in a child process of
     `.venv-xla/bin/python` when that exists; otherwise adds a note and returns no rows.
     """
-    chosen = [cfg for cfg in configs if cfg.clients <= 64]
+    chosen = [cfg for cfg in configs if cfg.clients <= (64 if cfg.model == "small" else 8)]
     if ctx.quick:
         chosen = [cfg for cfg in chosen if cfg.algo == "fedavg"][:1]
         if not chosen:
@@ -232,7 +234,8 @@ def xla_rows(
         f"{result['xla_flags']!r} (torch_xla's XLA rejects {environment.YNN_FLAG}); a separate "
         "process unless run in that environment; its alternatives are interleaved with each "
         "other only, baseline torch_xla (pure torch-xla: torch.func.vmap + functional_call on "
-        "the XLA device)."
+        "the XLA device). Only the small model up to 64 clients and the medium one at 8 "
+        "(time budget)."
     )
     for row in rows:
         entry = row["alternatives"].get("bridge_mr_xla", {})
