@@ -206,6 +206,7 @@ def xla_rows(
     spec = {
         "configs": [dataclasses.asdict(cfg) for cfg in chosen],
         "policy": dataclasses.asdict(ctx.policy),
+        "demo_round": case.name == "fedavg",
     }
     if _has_torch_xla():
         result = run_xla_spec(spec)
@@ -259,8 +260,48 @@ def _has_torch_xla() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
+def _demo_round_row(policy: harness.TimingPolicy) -> dict[str, Any]:
+    """The demo's FedAvg round on torch-xla, timed by `bench_xla.measure_fedavg_round`."""
+    names = {"bridge_mr": "bridge_mr_xla", "torch_xla": "torch_xla"}
+    try:
+        from . import bench_xla
+    except ImportError as err:
+        error = {"error": f"benchmarks.bench_xla cannot be imported: {err}"}
+        return {
+            "id": "fedavg/demo/xla",
+            "params": {},
+            "baseline": "torch_xla",
+            "alternatives": {name: error for name in names.values()},
+        }
+    rounds_per_sample = 3
+    result = bench_xla.measure_fedavg_round(
+        samples=policy.reps, rounds_per_sample=rounds_per_sample
+    )
+    comparison = harness.Comparison(
+        "torch_xla",
+        {
+            names[name]: harness.Timing(samples=list(seconds), number=rounds_per_sample)
+            for name, seconds in result.seconds_per_round.items()
+        },
+    )
+    params = {
+        **dataclasses.asdict(result.config),
+        "compiles_while_timing": result.compiles_while_timing,
+        "timed_by": "benchmarks.bench_xla.measure_fedavg_round (A B, B A samples)",
+    }
+    return report.comparison_row(
+        comparison,
+        f"fedavg/demo/c{result.config.clients}/xla",
+        params,
+        metrics={"client_updates_per_s": result.config.clients},
+    )
+
+
 def run_xla_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """bridge_mr on torch-xla against pure torch-xla for the spec's configs.
+
+    With `spec["demo_round"]`, adds the demo's FedAvg round (64-64-10 MLP) as timed by the
+    torch-xla backend's own benchmark, `benchmarks.bench_xla`.
 
     Returns:
       {"rows": [row], "torch", "torch_xla", "device", "xla_flags"}.
@@ -283,6 +324,9 @@ def run_xla_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 metrics={"client_updates_per_s": cfg.clients},
             )
         )
+    if spec["demo_round"]:
+        print("  torch-xla: the demo's FedAvg round (benchmarks.bench_xla)", file=sys.stderr)
+        rows.append(_demo_round_row(policy))
     return {
         "rows": rows,
         "torch": torch.__version__,
