@@ -118,8 +118,9 @@ def _reduce(reduction: Callable[..., jax.Array], x: PyTree, name: str) -> PyTree
 def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
     """The weighted mean sum(x·w) / sum(w) over the placement axis, leaf by leaf.
 
-    `w` is either one placed array (shape [n] or broadcastable against each leaf's slices),
-    used for every leaf of `x`, or a pytree with the structure of `x`.
+    x·w is an elementwise product aligned from the left (what drjax computes with a `map_fn`,
+    without the vmap). `w` is either one placed array (shape [n], or broadcastable against
+    each leaf's slices) used for every leaf of `x`, or a pytree with the structure of `x`.
     """
     placement = require_placement("reduce_weighted_mean")
     x_leaves, x_def = _placed_leaves(x, placement, argument="reduce_weighted_mean(x)")
@@ -135,10 +136,7 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
             f"[{placement.size}]) or a pytree with the structure of x ({x_def}); got {w_def}. "
             "Pass a single per-client weight vector, or weights shaped like the values."
         )
-    products = map_fn(
-        lambda xs, ws: [xi * _weight_slice(wi, xi) for xi, wi in zip(xs, ws, strict=True)],
-        (x_leaves, w_leaves),
-    )
+    products = [x * _weight_slice(w, x) for x, w in zip(x_leaves, w_leaves, strict=True)]
     numerators = reduce_sum(products)
     denominators = reduce_sum(w_leaves)
     means = [
@@ -148,14 +146,21 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
 
 
 def _weight_slice(w: jax.Array, x: jax.Array) -> jax.Array:
-    """Aligns weight `w` against value `x` from the left (a per-client scalar scales all of x)."""
+    """Aligns weight `w` against value `x` from the left (a per-client weight scales its slice)."""
     if w.ndim > x.ndim:
         raise ValueError(
             f"reduce_weighted_mean(w): a weight slice of shape {w.shape} has more dimensions "
             f"than its value slice {x.shape}; weights must be per-client scalars or shaped like "
             "the values."
         )
-    return w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
+    w = w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
+    x_sharding, w_sharding = jax.typeof(x).sharding, jax.typeof(w).sharding
+    if x.ndim and x_sharding.spec and x_sharding.spec[0] != w_sharding.spec[0]:
+        # Explicit axes: a weight typed otherwise than its value breaks the product's
+        # transpose, so give the weight the value's leading sharding first.
+        spec = P(x_sharding.spec[0], *([None] * (w.ndim - 1)))
+        w = jax.sharding.reshard(w, NamedSharding(x_sharding.mesh, spec))
+    return w
 
 
 def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:

@@ -138,8 +138,19 @@ def _sum_lowering_fn(x: jax.Array, *, placement: str, size: int, mesh: Any) -> j
 mlir.register_lowering(sum_p, mlir.lower_fun(_sum_lowering_fn, multiple_results=False))
 
 
+def _cotangent_mesh(x: Any, placement: str) -> AnyMesh | None:
+    """The broadcast mesh that gives a cotangent the type of the reduced input `x`.
+
+    The cotangent is typed sharded along `placement` exactly when `x` was, whatever mesh the
+    reduction was given: placed values may come unsharded from outside an Explicit mesh, or
+    sharded by an earlier `map_fn(mesh=...)`.
+    """
+    sharding = x.aval.sharding
+    return sharding.mesh if sharding.spec and sharding.spec[0] == placement else None
+
+
 def _sum_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
-    del x  # Unused.
+    mesh = _cotangent_mesh(x, placement)
     return [placed_broadcast(ct, placement=placement, size=size, mesh=mesh)]
 
 
@@ -190,7 +201,7 @@ mlir.register_lowering(mean_p, mlir.lower_fun(_mean_lowering_fn, multiple_result
 
 
 def _mean_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
-    del x  # Unused.
+    mesh = _cotangent_mesh(x, placement)
     placed = placed_broadcast(ct, placement=placement, size=size, mesh=mesh)
     return [placed / np.asarray(size, dtype=placed.dtype)]
 

@@ -176,3 +176,35 @@ def test_gradients_under_explicit_mesh_match_unsharded():
         sharded = fn(x, y)
     assert sharded[1].sharding.spec[0] == "clients"
     assert_trees_all_close(sharded, expected, rtol=1e-12)
+
+
+def _weighted_loss(x, w, mesh=None):
+    placed = mr.map_fn(lambda a: jnp.sin(a) * 2.0, x, mesh=mesh)
+    return mr.reduce_weighted_mean(placed, w).sum()
+
+
+def _weighted_inputs():
+    rng = np.random.default_rng(3)
+    return jnp.asarray(rng.normal(size=(8, 3))), jnp.asarray(rng.uniform(0.5, 2.0, size=(8,)))
+
+
+def test_weighted_mean_gradients_with_sharded_values_and_unsharded_weights_explicit():
+    mesh = _mesh("clients8", EXPLICIT)
+    x, w = _weighted_inputs()
+    grad = jax.jit(jax.grad(mr.program(clients=8)(_weighted_loss), argnums=(0, 1)))
+    expected = grad(x, w)
+    with jax.set_mesh(mesh):
+        x_sharded = jax.device_put(x, NamedSharding(mesh, P("clients")))
+        got = grad(x_sharded, w)
+    assert got[0].sharding.spec[0] == "clients"
+    assert_trees_all_close(got, expected, rtol=1e-12)
+
+
+def test_weighted_mean_gradients_with_an_explicit_mesh_argument():
+    mesh = _mesh("clients8", EXPLICIT)
+    x, w = _weighted_inputs()
+    expected = jax.grad(mr.program(clients=8)(_weighted_loss), argnums=(0, 1))(x, w)
+    replicated = NamedSharding(mesh, P())
+    loss = mr.program(clients=8)(lambda x, w: _weighted_loss(x, w, mesh=mesh))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(*jax.device_put((x, w), replicated))
+    assert_trees_all_close(got, expected, rtol=1e-12)

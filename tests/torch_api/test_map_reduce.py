@@ -188,8 +188,7 @@ def test_thousand_step_training_loop_compiles_once_and_keeps_memory_flat():
 
 
 def test_two_threads_train_two_models_at_once():
-    def train(seed, results):
-        model, clients = _model_and_data(seed, n=3 + seed)
+    def train(model, clients, results, seed):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(40):
             opt.zero_grad()
@@ -197,10 +196,13 @@ def test_two_threads_train_two_models_at_once():
             opt.step()
         results[seed] = [p.detach().clone() for p in model.parameters()]
 
+    # Models are built up front: their init draws from torch's global RNG, which two threads
+    # seeding it at once would interleave.
     sequential, threaded = {}, {}
     for seed in (0, 1):
-        train(seed, sequential)
-    threads = [threading.Thread(target=train, args=(seed, threaded)) for seed in (0, 1)]
+        train(*_model_and_data(seed, n=3 + seed), sequential, seed)
+    setups = [(*_model_and_data(seed, n=3 + seed), threaded, seed) for seed in (0, 1)]
+    threads = [threading.Thread(target=train, args=setup) for setup in setups]
     for t in threads:
         t.start()
     for t in threads:
