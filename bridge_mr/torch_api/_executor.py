@@ -13,6 +13,7 @@ outputs as XLA tensors; carried values are then XLA tensors too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from bridge_mr.dlpack import export_arrays, import_tensors
 
 from ._avals import Aval
-from ._xla_backend import call_jax_on_xla
+from ._xla_backend import call_jax_on_xla, lowering_mesh
 
 # Below this size importing a tensor (~10 µs of Python and runtime work each) costs more than
 # copying it into a shared buffer, so small tensors of one dtype cross together. (Exports cost
@@ -63,6 +64,16 @@ def runner_for(
     if device_type == "xla":
         return _XlaRunner(program, n_exported)
     return _DlpackRunner(program, in_avals, n_exported, mesh)
+
+
+def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The JAX context to trace a program for `device_type` in: on XLA, the mesh it lowers under.
+
+    So tracing and lowering see the same mesh (torch-xla's global SPMD mesh, see
+    `_xla_backend.lowering_mesh`); on other devices it changes nothing.
+    """
+    mesh = lowering_mesh() if device_type == "xla" else None
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)
 
 
 def _pack_groups(avals: Sequence[Aval]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from bridge_mr.jax_core import current_placement
 
 from . import _avals, _custom_op
-from ._executor import Runner, runner_for
+from ._executor import Runner, runner_for, trace_context
 from ._static import FUNCTION_TYPES, static_key
 
 PyTree = Any
@@ -250,7 +250,8 @@ class _Entry:
         self.uid = _custom_op.register_entry(self) if owner.compilable else -1
 
         self._program = jax.jit(self._forward_with_vjp if self.diff else self._forward)
-        self._program.trace(*(jax.ShapeDtypeStruct(*aval) for aval in self.in_avals))
+        with trace_context(self.device_type):
+            self._program.trace(*(jax.ShapeDtypeStruct(*aval) for aval in self.in_avals))
         self.n_out = len(self.out_avals)
         self.float_outputs = tuple(
             i for i, (_, dtype) in enumerate(self.out_avals) if _avals.is_differentiable(dtype)
@@ -388,9 +389,10 @@ class _Entry:
 
     def _traced_backward_program(self) -> Any:
         program = jax.jit(self._backward_program)
-        program.trace(
-            *(jax.ShapeDtypeStruct(*aval) for aval in self.cotangent_avals()), *self.res_avals
-        )
+        with trace_context(self.device_type):
+            program.trace(
+                *(jax.ShapeDtypeStruct(*aval) for aval in self.cotangent_avals()), *self.res_avals
+            )
         return program
 
     def op_runners(self) -> tuple[Runner, Runner | None]:

@@ -4,21 +4,36 @@ A JAX function is lowered once per input signature to an HLO module and embedded
 torch-xla graph as a user computation, the same mechanism as
 `torch_xla.core.xla_builder.call_jax`, so the JAX computation compiles together with the
 surrounding torch ops: no DLPack, no host round trip. Importing this module imports neither
-torch_xla nor JAX backends; torch_xla is imported on the first call, when XLA tensors exist.
+torch_xla nor JAX backends; torch_xla is imported on the first call, when XLA tensors exist, and
+its runtime is started (it owns the TPU) before JAX lowers anything.
+
+SPMD: shardings in the JAX program must use Auto mesh axes (`with_sharding_constraint`, which
+bridge_mr's placement primitives add for a mesh with the placement axis); torch-xla partitions
+them with GSPMD. Explicit axes are refused. Under `torch_xla.runtime.use_spmd()` with a global
+mesh (`torch_xla.distributed.spmd.set_global_mesh`) that has axis names, and no JAX mesh set by
+the caller, the program is lowered under the Auto `AbstractMesh` of the same shape and names
+(`lowering_mesh`), so a mesh axis named like the placement shards it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import torch
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["call_jax_on_xla", "is_xla_tensor"]
+from bridge_mr.jax_core._mesh import _ambient_mesh
+
+__all__ = ["call_jax_on_xla", "is_xla_tensor", "lowering_mesh", "torch_xla_global_mesh"]
 
 INSTALL_HINT = "pip install torch==2.9.0 torch_xla==2.9.0"
 
@@ -43,8 +58,8 @@ _TORCH_TO_JAX_DTYPE: dict[torch.dtype, Any] = {
     torch.complex128: jnp.complex128,
 }
 
-# jax_fn -> {(input signature, jax_enable_x64): embedded computation}. Weak in jax_fn so that
-# functions (and whatever they close over) are not kept alive by the cache.
+# jax_fn -> {(input signature, jax_enable_x64, caller's JAX mesh, lowering mesh): embedded
+# computation}. Weak in jax_fn so that functions (and what they close over) can be freed.
 _EMBEDDED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], Callable[..., Any]]]
 _EMBEDDED = weakref.WeakKeyDictionary()
 
@@ -71,16 +86,22 @@ def call_jax_on_xla(
       (`torch_xla.sync()`, `.cpu()`, `.item()`, ...). The outputs never require grad: autograd
       belongs to the caller.
 
+    The first call for a signature lowers `jax_fn` under `lowering_mesh()`. Its shardings must
+    use Auto mesh axes; under SPMD their meshes must span all of torch-xla's devices. Without
+    SPMD they are ignored, with a warning.
+
     Raises:
       ImportError: torch_xla is not installed.
-      ValueError: `tensors` is empty or holds a non-XLA tensor.
+      ValueError: `tensors` is empty or holds a non-XLA tensor; the program shards over a mesh
+        with Explicit axes, or (under SPMD) over a mesh of another size than the device count.
       TypeError: a 64-bit tensor while `jax_enable_x64` is off; `jax_fn` does not return a
         flat tuple or list of arrays, or cannot be weakly referenced.
     """
     tensors = list(tensors)
     _check_tensors(tensors)
     signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
-    key = (signature, jax.config.jax_enable_x64)
+    mesh = lowering_mesh()
+    key = (signature, jax.config.jax_enable_x64, _ambient_mesh(), mesh)
     try:
         per_fn = _EMBEDDED.setdefault(jax_fn, {})
     except TypeError as error:
@@ -91,8 +112,46 @@ def call_jax_on_xla(
         ) from error
     embedded = per_fn.get(key)
     if embedded is None:
-        embedded = per_fn[key] = _embed(jax_fn, signature)
+        embedded = per_fn[key] = _embed(jax_fn, signature, mesh)
     return list(embedded(tensors))
+
+
+def lowering_mesh() -> AbstractMesh | None:
+    """The abstract mesh XLA programs are traced and lowered under now, or None for no change.
+
+    torch-xla's global SPMD mesh (see `torch_xla_global_mesh`), unless the caller set a JAX
+    mesh (`jax.set_mesh`, `jax.sharding.use_abstract_mesh`, `with mesh:`), which then applies
+    as it is.
+    """
+    return None if _ambient_mesh() is not None else torch_xla_global_mesh()
+
+
+# The last torch-xla mesh converted by torch_xla_global_mesh, and its conversion.
+_DERIVED: tuple[Any, AbstractMesh | None] = (None, None)
+
+
+def torch_xla_global_mesh() -> AbstractMesh | None:
+    """The Auto `AbstractMesh` of torch-xla's global SPMD mesh, or None.
+
+    None unless SPMD is on (`torch_xla.runtime.use_spmd()`) and a global mesh with axis names is
+    set (`torch_xla.distributed.spmd.set_global_mesh`). The abstract mesh has the same shape and
+    axis names, all Auto; it numbers devices 0..n-1 in order, whatever the torch-xla mesh's
+    `device_ids` order.
+    """
+    global _DERIVED
+    torch_xla = _import_torch_xla()
+    if not torch_xla.runtime.is_spmd():
+        return None
+    xla_mesh = torch_xla.spmd.get_global_mesh()
+    if xla_mesh is None or xla_mesh.axis_names is None:
+        return None
+    if _DERIVED[0] is not xla_mesh:
+        shape = tuple(int(size) for size in xla_mesh.mesh_shape)
+        derived = AbstractMesh(
+            shape, tuple(xla_mesh.axis_names), axis_types=(AxisType.Auto,) * len(shape)
+        )
+        _DERIVED = (xla_mesh, derived)
+    return _DERIVED[1]
 
 
 def _check_tensors(tensors: list[torch.Tensor]) -> None:
@@ -118,18 +177,23 @@ def _check_tensors(tensors: list[torch.Tensor]) -> None:
 def _embed(
     jax_fn: Callable[..., Sequence[jax.Array]],
     signature: tuple[tuple[tuple[int, ...], torch.dtype], ...],
+    mesh: AbstractMesh | None,
 ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """Lowers `jax_fn` for `signature` and returns torch-xla's callable for the computation."""
-    xla_builder, jax_workarounds = _import_torch_xla()
+    """Lowers `jax_fn` for `signature` (under `mesh` if given); torch-xla's callable for it."""
+    torch_xla = _import_torch_xla()
     avals = [jax.ShapeDtypeStruct(shape, _TORCH_TO_JAX_DTYPE[dtype]) for shape, dtype in signature]
+    # Lowering starts JAX's backends: torch-xla's runtime must hold the device (TPU) first, and
+    # jax_env_context is call_jax's guard against JAX's MegaScale client hanging next to it.
+    torch_xla.workarounds.jax_import_guard()
     # torch-xla 2.9 partitions with GSPMD and reads GSPMD shardings from the HLO, as its own
     # call_jax does; the flag is restored afterwards so that the user's JAX code is unaffected.
-    # jax_env_context is call_jax's guard for JAX starting its backends next to torch-xla's (TPU).
     shardy = jax.config.jax_use_shardy_partitioner
-    with jax_workarounds.jax_env_context():
+    with torch_xla.workarounds.jax_env_context(), _lowering_mesh(mesh):
         try:
             jax.config.update("jax_use_shardy_partitioner", False)
-            lowered = jax.jit(jax_fn, keep_unused=True).lower(*avals)
+            traced = jax.jit(jax_fn, keep_unused=True).trace(*avals)
+            _check_shardings(traced.jaxpr.jaxpr, torch_xla.runtime)
+            lowered = traced.lower()
             hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
         finally:
             jax.config.update("jax_use_shardy_partitioner", shardy)
@@ -147,17 +211,118 @@ def _embed(
             f"it returned the structure {lowered.out_tree}."
         )
     name = "bridge_mr_" + re.sub(r"\W", "_", getattr(jax_fn, "__name__", "jax_fn"))
-    computation = xla_builder.computation_from_module_proto(name, hlo)
-    return xla_builder.xla_computation_as_func(computation, name)
+    computation = torch_xla.builder.computation_from_module_proto(name, hlo)
+    return torch_xla.builder.xla_computation_as_func(computation, name)
 
 
-def _import_torch_xla() -> tuple[Any, Any]:
+def _lowering_mesh(mesh: AbstractMesh | None) -> contextlib.AbstractContextManager[Any]:
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _shardings(jaxpr: jax.extend.core.Jaxpr) -> Iterator[NamedSharding]:
+    """Every named sharding in `jaxpr` and its sub-jaxprs: of values and in parameters."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            sharding = getattr(var.aval, "sharding", None)
+            if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+                yield sharding
+        for param in eqn.params.values():
+            for value in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(value, NamedSharding):
+                    yield value
+                elif isinstance(value, jax.extend.core.ClosedJaxpr):
+                    yield from _shardings(value.jaxpr)
+                elif isinstance(value, jax.extend.core.Jaxpr):
+                    yield from _shardings(value)
+
+
+def _splits(sharding: NamedSharding) -> bool:
+    """Whether `sharding` splits some dimension over a mesh axis."""
+    return any(entry not in (None, P.UNCONSTRAINED) for entry in sharding.spec)
+
+
+def _describe(mesh: Mesh | AbstractMesh) -> str:
+    return ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
+
+
+def _auto_mesh_code(shape: tuple[int, ...], names: Sequence[str]) -> str:
+    """Python source of an all-Auto `AbstractMesh`, for error messages."""
+    types = ", ".join(["jax.sharding.AxisType.Auto"] * len(names))
+    return f"jax.sharding.AbstractMesh({shape}, {tuple(names)}, axis_types=({types},))"
+
+
+def _check_shardings(jaxpr: jax.extend.core.Jaxpr, runtime: Any) -> None:
+    """Raises for shardings torch-xla cannot run; warns when SPMD is off and they do nothing."""
+    split_meshes = {}
+    for sharding in _shardings(jaxpr):
+        mesh = sharding.mesh
+        if AxisType.Explicit in mesh.axis_types:
+            names = tuple(
+                name
+                for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if kind == AxisType.Explicit
+            )
+            raise ValueError(
+                f"bridge_mr on torch-xla: the JAX program uses a mesh with Explicit axes {names} "
+                f"({{{_describe(mesh)}}}); torch-xla partitions with GSPMD, which takes Auto axes "
+                f"only. Pass mesh={_auto_mesh_code(tuple(mesh.axis_sizes), mesh.axis_names)}, or "
+                "set no mesh and let bridge_mr use torch-xla's global SPMD mesh "
+                "(torch_xla.distributed.spmd.set_global_mesh)."
+            )
+        if _splits(sharding):
+            split_meshes[mesh.shape_tuple] = mesh
+    if not split_meshes:
+        return
+    if not runtime.is_spmd():
+        described = "; ".join(f"{{{_describe(mesh)}}}" for mesh in split_meshes.values())
+        warnings.warn(
+            f"bridge_mr on torch-xla: the JAX program shards values over a mesh {described}, "
+            "but torch-xla's SPMD mode is off, so it runs unsharded on one device (same results). "
+            "To shard, call torch_xla.runtime.use_spmd() first thing in the program, before any "
+            "XLA tensor exists (called later, torch-xla replicates the existing tensors).",
+            UserWarning,
+            stacklevel=2,
+        )
+        return
+    devices = runtime.global_runtime_device_count()
+    for mesh in split_meshes.values():
+        if mesh.size != devices:
+            raise ValueError(
+                f"bridge_mr on torch-xla: the JAX program shards over a mesh of {mesh.size} "
+                f"devices ({{{_describe(mesh)}}}), but torch-xla's SPMD runtime has {devices}; "
+                f"its GSPMD partitioner needs a mesh over all {devices} devices. Give a mesh "
+                f"whose axis sizes multiply to {devices}, e.g. "
+                f"{_auto_mesh_code((devices,), mesh.axis_names[:1])}."
+            )
+
+
+class _TorchXla(NamedTuple):
+    """The torch_xla modules the backend uses."""
+
+    builder: Any
+    workarounds: Any
+    runtime: Any
+    spmd: Any
+
+
+_TORCH_XLA: _TorchXla | None = None  # set by the first successful import
+
+
+def _import_torch_xla() -> _TorchXla:
+    global _TORCH_XLA
+    if _TORCH_XLA is not None:
+        return _TORCH_XLA
     try:
-        import torch_xla._internal.jax_workarounds as jax_workarounds
-        import torch_xla.core.xla_builder as xla_builder
+        import torch_xla._internal.jax_workarounds as workarounds
+        import torch_xla.core.xla_builder as builder
+        import torch_xla.distributed.spmd as spmd
+        import torch_xla.runtime as runtime
     except ImportError as error:
         raise ImportError(
             f"bridge_mr's torch-xla backend needs torch_xla, which is not importable ({error}). "
             f"Install it with `{INSTALL_HINT}` (torch_xla 2.9.0 requires torch 2.9.0 exactly)."
         ) from error
-    return xla_builder, jax_workarounds
+    _TORCH_XLA = _TorchXla(builder, workarounds, runtime, spmd)
+    return _TORCH_XLA
