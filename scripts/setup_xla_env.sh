@@ -18,9 +18,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # from jax 0.7.1 to 0.10.2, see docs/torch_xla_notes.md); flax is what torch_xla's call_jax imports;
 # drjax (as pinned in pyproject's dev extra) because pytest collects every test module here too.
 PINNED=(torch==2.9.0 torch_xla==2.9.0 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 drjax==0.2.1)
-# Lower bounds from pyproject.toml, plus what builds the package without build isolation.
+# Lower bounds from pyproject.toml (the examples extra too: examples/fedavg_xla.py and its test
+# load scikit-learn's digits), plus what builds the package without build isolation.
 UNPINNED=("numpy>=1.26" "ml_dtypes>=0.5" "typing-extensions>=4.9" "pytest>=8" "hypothesis>=6.100"
-  "setuptools>=68" wheel)
+  "scikit-learn>=1.4" "tqdm>=4.66" "setuptools>=68" wheel)
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 

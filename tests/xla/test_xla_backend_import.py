@@ -8,6 +8,7 @@ import jax
 import pytest
 import torch
 
+from bridge_mr.torch_api import _xla_backend
 from bridge_mr.torch_api._xla_backend import INSTALL_HINT, call_jax_on_xla
 
 
@@ -18,9 +19,11 @@ def _identity(x: jax.Array) -> tuple[jax.Array]:
 def test_missing_torch_xla_raises_import_error_with_install_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A None entry makes `import` fail as if the module were not installed.
-    monkeypatch.setitem(sys.modules, "torch_xla.core.xla_builder", None)
-    monkeypatch.setitem(sys.modules, "torch_xla._internal.jax_workarounds", None)
+    # A None entry makes `import` fail as if the module were not installed; the backend keeps
+    # the modules once imported, so forget them too.
+    monkeypatch.setattr(_xla_backend, "_TORCH_XLA", None)
+    for name in ("_internal.jax_workarounds", "core.xla_builder", "distributed.spmd", "runtime"):
+        monkeypatch.setitem(sys.modules, f"torch_xla.{name}", None)
     with pytest.raises(ImportError, match="needs torch_xla") as caught:
         call_jax_on_xla(_identity, [torch.ones(2)])
     assert INSTALL_HINT in str(caught.value)
