@@ -45,7 +45,7 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
 }
 
 QUICK = harness.TimingPolicy(reps=5, min_reps=2, warmup=1, min_sample_s=0.02, budget_s=3.0)
-FULL = harness.TimingPolicy(reps=11, min_reps=3, warmup=1, min_sample_s=0.05, budget_s=20.0)
+FULL = harness.TimingPolicy(reps=11, min_reps=3, warmup=1, min_sample_s=0.05, budget_s=12.0)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -106,7 +106,8 @@ def _markdown(document: dict[str, Any], cases: list[report.CaseResult], plots: l
         "Method: warm-up excluded; alternatives interleaved (A B C, B C A, ...) in one process; "
         "cells show the median over repetitions ±half the interquartile range, and (x) the "
         "median of per-repetition ratios to the row's baseline. Every call is synced before "
-        "the clock stops. Peak RSS: ru_maxrss of a fresh process that runs only that round.",
+        "the clock stops. Peak RSS: ru_maxrss of a fresh process that builds and runs only "
+        "that round, once.",
         "",
     ]
     for case in cases:

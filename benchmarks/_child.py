@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     print(
         json.dumps(
             {"peak_rss_mb": peak, "import_rss_mb": import_rss, "delta_rss_mb": peak - import_rss}
-        )
+        ),
+        flush=True,
     )
     return 0
 

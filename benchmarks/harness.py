@@ -153,6 +153,10 @@ def compare(
 ) -> Comparison:
     """Times the alternatives interleaved: A B C, then B C A, ... one sample each per repetition.
 
+    After the warm-up, one calibration call of each alternative (in order, A B C) sets how
+    many calls a sample makes; when every alternative needs just one, that calibration pass is
+    the first repetition. The number of repetitions fits `policy.budget_s`.
+
     Args:
       alternatives: name -> a callable doing one unit of work and returning its results, or a
         string saying why that alternative could not be built (it is reported, not timed).
@@ -166,7 +170,6 @@ def compare(
         raise ValueError(f"baseline {baseline!r} is not one of {sorted(alternatives)}")
     timings = {name: Timing() for name in alternatives}
     runnable: dict[str, Callable[[], Any]] = {}
-    per_rep = 0.0
     for name, fn in alternatives.items():
         if isinstance(fn, str):
             timings[name].error = fn
@@ -174,35 +177,50 @@ def compare(
         try:
             for _ in range(policy.warmup):
                 sync(fn())
-            start = time.perf_counter()
-            sync(fn())
-            once = time.perf_counter() - start
         except Exception as err:  # An alternative's failure is a result to report.
             timings[name].error = f"{type(err).__name__}: {err}"
             continue
-        timings[name].number = max(1, math.ceil(policy.min_sample_s / max(once, 1e-9)))
-        per_rep += timings[name].number * once
         runnable[name] = fn
+    calibration = {}
+    for name in list(runnable):
+        seconds = _timed(timings[name], runnable, name, 1)
+        if seconds is not None:
+            calibration[name] = seconds
+            timings[name].number = max(1, math.ceil(policy.min_sample_s / max(seconds, 1e-9)))
+    per_rep = sum(timings[name].number * seconds for name, seconds in calibration.items())
     reps = policy.reps
     if per_rep > 0:
         reps = max(policy.min_reps, min(policy.reps, int(policy.budget_s / per_rep)))
+    first = 0
+    if all(timings[name].number == 1 for name in runnable):
+        for name in runnable:
+            timings[name].samples.append(calibration[name])
+        first = 1
     names = list(runnable)
-    for rep in range(reps):
+    for rep in range(first, reps):
         shift = rep % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
-            if name not in runnable:
-                continue
-            timing = timings[name]
-            try:
-                start = time.perf_counter()
-                for _ in range(timing.number):
-                    sync(runnable[name]())
-                timing.samples.append((time.perf_counter() - start) / timing.number)
-            except Exception as err:
-                timing.error = f"{type(err).__name__}: {err}"
-                timing.samples.clear()
-                del runnable[name]
+            if name in runnable:
+                seconds = _timed(timings[name], runnable, name, timings[name].number)
+                if seconds is not None:
+                    timings[name].samples.append(seconds)
     return Comparison(baseline, timings)
+
+
+def _timed(
+    timing: Timing, runnable: dict[str, Callable[[], Any]], name: str, number: int
+) -> float | None:
+    """Mean synced seconds of `number` calls; on an exception, records it and drops `name`."""
+    try:
+        start = time.perf_counter()
+        for _ in range(number):
+            sync(runnable[name]())
+        return (time.perf_counter() - start) / number
+    except Exception as err:  # An alternative's failure is a result to report.
+        timing.error = f"{type(err).__name__}: {err}"
+        timing.samples.clear()
+        del runnable[name]
+        return None
 
 
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
@@ -220,7 +238,8 @@ def peak_rss(spec: Mapping[str, Any], *, calls: int, timeout_s: float = 600.0) -
     process, whose own small peak is all it inherits.
 
     Returns:
-      {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} or {"error": ...}.
+      {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} (plus "child_failed" if the child
+      printed them but then exited with an error), or {"error": ...}.
     """
     command = [
         sys.executable,
@@ -243,10 +262,14 @@ def peak_rss(spec: Mapping[str, Any], *, calls: int, timeout_s: float = 600.0) -
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
         return {"error": f"child exited with {done.returncode}: {tail[0]}"}
-    return json.loads(lines[-1])
+    if done.returncode != 0:  # It measured, then failed (at exit): keep both facts.
+        result["child_failed"] = f"exited with {done.returncode} after measuring: {tail[0]}"
+    return result
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,7 +175,7 @@ def _groups(rows: list[dict[str, Any]]) -> list[tuple[list[str], list[dict[str, 
 def case_markdown(case: CaseResult) -> str:
     """The case as Markdown tables: one row per configuration, one column per alternative.
 
-    A cell reads "median ±half-IQR% (ratio to the row's baselinex), metrics, peak RSS".
+    A cell reads "median ±half-IQR% (ratio to the row's baseline), metrics, peak RSS".
     Rows with different alternatives go to separate tables.
     """
     lines = [f"### {case.title}", "", f"Unit: {case.unit}.", ""]
@@ -187,21 +187,18 @@ def case_markdown(case: CaseResult) -> str:
             baseline = row["baseline"] or "—"
             lines.append(f"| {row['id']} | {baseline} | " + " | ".join(cells) + " |")
         lines.append("")
-    errors = sorted(
-        {
-            f"{name}: {entry['error']}"
-            for row in case.rows
-            for name, entry in row["alternatives"].items()
-            if "error" in entry
-        }
-        | {
-            f"peak RSS of {name}: {entry['memory']['error']}"
-            for row in case.rows
-            for name, entry in row["alternatives"].items()
-            if "error" in entry.get("memory", {})
-        }
-    )
-    lines += [f"- {note}" for note in case.notes] + [f"- n/a: {e}" for e in errors]
+    problems: set[str] = set()
+    for row in case.rows:
+        for name, entry in row["alternatives"].items():
+            memory = entry.get("memory", {})
+            if "error" in entry:
+                problems.add(f"n/a: {name}: {entry['error']}")
+            if "error" in memory:
+                problems.add(f"RSS n/a: {name} ({row['id']}): {memory['error']}")
+            if "child_failed" in memory:
+                failure = memory["child_failed"]
+                problems.add(f"peak RSS of {name} ({row['id']}): the child {failure}")
+    lines += [f"- {note}" for note in case.notes] + [f"- {p}" for p in sorted(problems)]
     if case.load.get("other_cpus_busy") is not None:
         lines.append(
             f"- Load: other processes kept {case.load['other_cpus_busy']:.2f} CPUs busy on "
