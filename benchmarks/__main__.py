@@ -110,15 +110,10 @@ def _markdown(document: dict[str, Any], cases: list[report.CaseResult], plots: l
         "that round, once.",
         "",
     ]
+    lines.append(report.targets_markdown(document["targets"]))
+    lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in plots]
     for case in cases:
         lines.append(report.case_markdown(case))
-    lines.append(report.targets_markdown(document["targets"]))
-    if plots:
-        lines += [
-            "",
-            "Plots: " + ", ".join(f"[{os.path.basename(p)}]({os.path.basename(p)})" for p in plots),
-            "",
-        ]
     return "\n".join(lines)
 
 

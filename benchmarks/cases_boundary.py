@@ -104,6 +104,13 @@ def _strided_fedsgd(cfg: workloads.FedConfig) -> Callable[[], Any]:
     return fedsgd_round
 
 
+def _conversions_text(entry: dict[str, Any]) -> str:
+    if "conversions" not in entry:
+        return entry.get("error", "")
+    c = entry["conversions"]
+    return f"{c['imports']} imports, {c['exports']} exports, {c['copies']} copies"
+
+
 def _copy_rows(case: report.CaseResult) -> list[dict[str, Any]]:
     rows = []
     configs = [
@@ -141,6 +148,7 @@ def _copy_rows(case: report.CaseResult) -> list[dict[str, Any]]:
                     copied,
                     0,
                     "<=",
+                    _conversions_text(entry),
                 )
             )
     return rows

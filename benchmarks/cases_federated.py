@@ -98,9 +98,9 @@ def _round_configs(ctx: harness.Context, algo: str) -> tuple[list[FedConfig], li
         sizes = {"small": (8, 64, 512), "medium": (8, 64, 512) if algo == "fedsgd" else (8, 64)}
         if algo == "fedavg":
             notes.append(
-                "Cut: medium model x 512 clients for FedAvg (about 1.1 TFLOP per round, over 10 "
-                "s per alternative on 2 cores; 4 alternatives x several repetitions do not fit "
-                "the 15-minute run)."
+                "Cut: medium model x 512 clients for FedAvg (1.1 TFLOP per round: about 8x the "
+                "64-client row, roughly 25 s per round and alternative here; 4 alternatives x "
+                "4+ rounds do not fit the 15-minute run)."
             )
     models = ctx.models or tuple(sizes)
     configs = [FedConfig(algo, model, c) for model in models for c in (ctx.clients or sizes[model])]
@@ -138,18 +138,18 @@ def run_rounds(ctx: harness.Context, algo: str) -> report.CaseResult:
     ]
     rows, comparisons = measure_configs(ctx, configs, memory, algo)
     case.rows += rows
-    for cfg in configs:
-        row_id = _row_id(cfg)
-        comparison = comparisons[row_id]
+    for cfg, row in zip(configs, rows, strict=True):
+        comparison = comparisons[row["id"]]
         ratio = comparison.ratio("bridge_mr", BASELINE)
         case.targets.append(
             report.target(
                 algo,
-                row_id,
+                row["id"],
                 "bridge_mr time / drjax time",
                 None if ratio is None else ratio["median"],
                 1.10,
                 "<=",
+                report.versus(row, "bridge_mr", BASELINE),
             )
         )
         if algo == "fedavg" and cfg.model == "small" and cfg.local_steps >= 10:
@@ -157,11 +157,12 @@ def run_rounds(ctx: harness.Context, algo: str) -> report.CaseResult:
             case.targets.append(
                 report.target(
                     algo,
-                    row_id,
+                    row["id"],
                     "bridge_mr throughput / torch.func.vmap throughput",
                     None if speedup is None else speedup["median"],
                     2.0,
                     ">=",
+                    report.versus(row, "bridge_mr", "torch_vmap"),
                 )
             )
     if ctx.xla:
@@ -265,6 +266,7 @@ def xla_rows(
                 None if ratio is None else ratio["median"],
                 1.0,
                 "<=",
+                report.versus(row, "bridge_mr_xla", "torch_xla"),
             )
         )
     return rows

@@ -76,11 +76,15 @@ def _reduce_row(ctx: harness.Context, case: report.CaseResult) -> dict[str, Any]
             entry["gb_per_s"] = moved / entry["median_s"] / 1e9
     copies = [n for n in alternatives if n.startswith("memcpy") and comparison.ok(n)]
     bridge = "bridge_mr.reduce_sum (torch)"
-    value, reference = None, None
+    value, reference, detail = None, None, ""
     if copies and comparison.ok(bridge):
         reference = max(copies, key=lambda n: row["alternatives"][n]["gb_per_s"])
         paired = comparison.ratio(reference, bridge)
         value = paired["median"] * reduce_bytes / copy_bytes if paired else None
+        detail = (
+            f"{row['alternatives'][bridge]['gb_per_s']:.1f} GB/s vs "
+            f"{row['alternatives'][reference]['gb_per_s']:.1f} GB/s"
+        )
     case.targets.append(
         report.target(
             "limits",
@@ -89,6 +93,7 @@ def _reduce_row(ctx: harness.Context, case: report.CaseResult) -> dict[str, Any]
             value,
             0.70,
             ">=",
+            detail,
         )
     )
     return row

@@ -93,7 +93,8 @@ def run(ctx: harness.Context) -> report.CaseResult:
             comparison = harness.compare(
                 contestants, baseline=_named(contestants, "pure JAX"), policy=ctx.policy
             )
-            case.rows.append(report.comparison_row(comparison, row_id, params))
+            row = report.comparison_row(comparison, row_id, params)
+            case.rows.append(row)
             bridge = _named(contestants, "bridge")
             for prefix, threshold in targets:
                 reference = _named(contestants, prefix)
@@ -106,6 +107,7 @@ def run(ctx: harness.Context) -> report.CaseResult:
                         None if ratio is None else ratio["median"],
                         threshold,
                         "<=",
+                        report.versus(row, bridge, reference),
                     )
                 )
             bar.update()

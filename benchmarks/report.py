@@ -11,7 +11,7 @@ JSON layout (`SCHEMA`), written to `results.json`:
                    "ratio_to_baseline": {"median", "q1", "q3"}, <metric>: float, ...,
                    "memory": {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} | {"error"}}
                 | {"error": str}            (could not be built or failed; not timed)
-    target = {"case", "row", "description", "value", "threshold", "direction", "met"}
+    target = {"case", "row", "description", "value", "threshold", "direction", "met", "detail"}
 """
 
 from __future__ import annotations
@@ -90,8 +90,12 @@ def target(
     value: float | None,
     threshold: float,
     direction: str,
+    detail: str = "",
 ) -> dict[str, Any]:
-    """A reported (not asserted) target; `met` is None when `value` could not be measured."""
+    """A reported (not asserted) target; `met` is None when `value` could not be measured.
+
+    `detail` gives the measurements behind `value` (e.g. both times), for the reader.
+    """
     if direction not in ("<=", ">="):
         raise ValueError(f"direction must be '<=' or '>=', got {direction!r}")
     met = None
@@ -105,7 +109,18 @@ def target(
         "threshold": threshold,
         "direction": direction,
         "met": met,
+        "detail": detail,
     }
+
+
+def versus(row: dict[str, Any], name: str, reference: str) -> str:
+    """ "name T1 vs reference T2 (+difference)" from a row's medians ("" if either is missing)."""
+    a = row["alternatives"].get(name, {}).get("median_s")
+    b = row["alternatives"].get(reference, {}).get("median_s")
+    if a is None or b is None:
+        return ""
+    sign = "+" if a >= b else "-"
+    return f"{name} {_time(a)} vs {reference} {_time(b)} ({sign}{_time(abs(a - b))})"
 
 
 def _time(seconds: float) -> str:
@@ -212,8 +227,8 @@ def targets_markdown(targets: list[dict[str, Any]]) -> str:
     lines = [
         "### Targets (reported, not asserted)",
         "",
-        "| target | case | value | threshold | verdict |",
-        "|---|---|---|---|---|",
+        "| target | case | value | threshold | verdict | measured |",
+        "|---|---|---|---|---|---|",
     ]
     for t in targets:
         if t["met"] is None:
@@ -227,7 +242,7 @@ def targets_markdown(targets: list[dict[str, Any]]) -> str:
                 verdict = "met" if t["met"] else f"MISSED (by {t['value']:.3g})"
         lines.append(
             f"| {t['description']} | {t['case']}: {t['row']} | {value} | "
-            f"{t['direction']} {t['threshold']:g} | {verdict} |"
+            f"{t['direction']} {t['threshold']:g} | {verdict} | {t.get('detail', '')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -103,6 +103,9 @@ def test_targets(run: tuple[Path, dict]) -> None:
     _, doc = run
     [target] = doc["targets"]
     ratio = doc["cases"]["fedsgd"]["rows"][0]["alternatives"]["bridge_mr"]["ratio_to_baseline"]
+    detail = target.pop("detail")
+    assert detail.startswith("bridge_mr ")
+    assert " vs drjax " in detail
     assert target == {
         "case": "fedsgd",
         "row": "fedsgd/small/c4",
