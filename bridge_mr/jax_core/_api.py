@@ -6,6 +6,7 @@ tuple argument into positional arguments; the weighted mean is sum(x·w) / sum(w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -128,8 +129,10 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
     if w_def.num_leaves == 1 and w_def.num_nodes == 1:
         (w_leaf,), _ = _placed_leaves(w, placement, argument="reduce_weighted_mean(w)")
         w_leaves = [w_leaf] * len(x_leaves)
+        denominators = reduce_sum([w_leaf]) * len(x_leaves)  # One sum serves every leaf.
     elif w_def == x_def:
         w_leaves, _ = _placed_leaves(w, placement, argument="reduce_weighted_mean(w)")
+        denominators = reduce_sum(w_leaves)
     else:
         raise ValueError(
             "reduce_weighted_mean(w): expected one placed weight array (shape "
@@ -138,7 +141,6 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
         )
     products = [x * _weight_slice(w, x) for x, w in zip(x_leaves, w_leaves, strict=True)]
     numerators = reduce_sum(products)
-    denominators = reduce_sum(w_leaves)
     means = [
         num / _weight_slice(den, num) for num, den in zip(numerators, denominators, strict=True)
     ]
@@ -190,9 +192,7 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
 def _map_auto(
     fn: Callable[..., PyTree], args: tuple[Any, ...], mesh: AnyMesh, placement: str
 ) -> PyTree:
-    def constrain(x: jax.Array) -> jax.Array:
-        return _constrain_placed(x, mesh, placement)
-
+    constrain = functools.partial(_constrain_placed, mesh=mesh, placement=placement)
     args = jax.tree.map(constrain, args)
     result = jax.vmap(fn, spmd_axis_name=placement)(*args)
     return jax.tree.map(constrain, result)
