@@ -1,7 +1,8 @@
 """Zero-copy exchange of tensors between torch and JAX over DLPack.
 
 `to_jax` / `to_torch` convert pytrees; `import_tensors` / `export_arrays` are their flat-list
-forms for the torch frontend's hot path; `count_conversions` reports conversions and copies.
+forms for the torch frontend's hot path, and `jit_arguments` a faster `import_tensors` for the
+arguments of a jitted call; `count_conversions` reports conversions and copies.
 
 Zero copy whenever the layout allows it: a compact (contiguous or permuted-dense), 64-byte
 aligned tensor of a dtype both sides share, on the same device. Otherwise exactly one copy,
@@ -21,6 +22,7 @@ Aliasing contract:
 from ._export import export_arrays as export_arrays
 from ._export import to_torch as to_torch
 from ._import import import_tensors as import_tensors
+from ._import import jit_arguments as jit_arguments
 from ._import import to_jax as to_jax
 from ._stats import ConversionStats as ConversionStats
 from ._stats import count_conversions as count_conversions
@@ -30,6 +32,7 @@ __all__ = [
     "count_conversions",
     "export_arrays",
     "import_tensors",
+    "jit_arguments",
     "to_jax",
     "to_torch",
 ]

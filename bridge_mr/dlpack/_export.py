@@ -28,16 +28,22 @@ from ._stats import ACTIVE, record
 _GPU_PLATFORMS = ("gpu", "cuda")
 
 
-def export_arrays(arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
+def export_arrays(arrays: Sequence[jax.Array], *, sole_owner: bool = False) -> list[torch.Tensor]:
     """Converts JAX arrays to torch tensors, sharing memory where possible.
 
     The flat-list entry point of `to_torch`, meant for fresh outputs of a jitted function; the
-    rules are those of `to_torch`.
+    rules are those of `to_torch`. `sole_owner=True` promises that no one will call `.delete()`
+    on these array objects (the caller holds the only references, as with the fresh outputs of
+    a jitted call it drops after exporting them); a single-device array is then exported
+    without taking a new handle on its buffer first, a few µs less per array. Deleting such an
+    array while its tensor lives aborts the process (a jaxlib CHECK), so never pass arrays
+    that user code can reach.
 
     Raises:
       TypeError: an element is not an exportable JAX array (the message names `arrays[i]`).
     """
-    return _export_all(arrays, _positional_name)
+    to_tensor = _runtime.owned_array_to_tensor if sole_owner else _runtime.array_to_tensor
+    return _export_all(arrays, _positional_name, to_tensor)
 
 
 def to_torch(tree: Any) -> Any:
@@ -62,7 +68,7 @@ def to_torch(tree: Any) -> Any:
         path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][positions[k]]
         return "tree" + jax.tree_util.keystr(path)
 
-    tensors = _export_all([leaves[i] for i in positions], name_of)
+    tensors = _export_all([leaves[i] for i in positions], name_of, _runtime.array_to_tensor)
     for i, tensor in zip(positions, tensors, strict=True):
         leaves[i] = tensor
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -72,10 +78,13 @@ def _positional_name(index: int) -> str:
     return f"arrays[{index}]"
 
 
-def _export_all(arrays: Sequence[Any], name_of: Callable[[int], str]) -> list[torch.Tensor]:
+def _export_all(
+    arrays: Sequence[Any],
+    name_of: Callable[[int], str],
+    to_tensor: Callable[[jax.Array, int | None], torch.Tensor],
+) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     append = out.append
-    to_tensor = _runtime.array_to_tensor
     cuda_streams: dict[Any, int] = {}
     for index, array in enumerate(arrays):
         # Fast path for single-device CPU and GPU arrays; anything else (including a failure

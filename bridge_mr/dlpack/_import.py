@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from jax._src.config import default_device as _default_device
 
 from . import _runtime
 from ._stats import ACTIVE, record
@@ -110,6 +111,77 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
     for i, array in zip(positions, arrays, strict=True):
         leaves[i] = array
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def jit_arguments(tensors: Sequence[torch.Tensor]) -> list[jax.Array | np.ndarray]:
+    """Arguments for a jitted JAX call, sharing the tensors' memory: `import_tensors`, faster.
+
+    While JAX's default device is a CPU device, a contiguous, 64-byte aligned CPU tensor of a
+    dtype numpy has becomes a numpy view of it: jit's own argument path places such an array on
+    the CPU device without copying, ~10 µs sooner than a DLPack import. Every other tensor is
+    converted by `import_tensors`, with its rules. The same aliasing contract holds: block on
+    the call's results before anyone may write to the tensors.
+
+    Raises:
+      TypeError: an element is not a supported tensor (the message names `tensors[i]`).
+    """
+    if not _numpy_goes_to_cpu():
+        return import_tensors(tensors)
+    out: list[Any] = []
+    imported: list[int] = []
+    for index, tensor in enumerate(tensors):
+        try:
+            if (
+                tensor.dtype in _NUMPY_DTYPES
+                and tensor.is_cpu
+                and tensor.layout is _STRIDED
+                and tensor.is_contiguous()
+                and not tensor.data_ptr() % ALIGNMENT
+                and not tensor.is_neg()
+                and not tensor.is_conj()
+                and not (DTYPE_FLAGS[tensor.dtype] & _WIDE and not _runtime.x64_enabled())
+            ):
+                out.append(tensor.detach().numpy())
+                continue
+        except Exception:
+            pass
+        out.append(None)
+        imported.append(index)
+    if imported:
+        arrays = _import_all(
+            [tensors[i] for i in imported], False, lambda k: _positional_name(imported[k])
+        )
+        for index, array in zip(imported, arrays, strict=True):
+            out[index] = array
+    if ACTIVE and len(imported) < len(out):
+        record(imports=len(out) - len(imported))
+    return out
+
+
+#: torch dtypes of the same name in numpy (bfloat16 and the wide unsigned ints are not).
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
+
+def _numpy_goes_to_cpu() -> bool:
+    """Whether jit places a numpy argument on a CPU device (where it can share its memory)."""
+    device = _default_device.value
+    if device is not None:
+        return getattr(device, "platform", device) == "cpu"
+    return _runtime.default_platform() == "cpu"
 
 
 def _positional_name(index: int) -> str:

@@ -77,6 +77,12 @@ def _fast_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
     return tensor_from_capsule(_jaxlib_to_capsule(_fresh_handle(array), stream=stream))
 
 
+def _fast_owned_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
+    # Taking a fresh handle costs ~5 µs (jaxlib builds a sharding through Python); an array
+    # that nobody will `delete()` can be exported as it is.
+    return tensor_from_capsule(_jaxlib_to_capsule(array, stream=stream))
+
+
 _has_replicated_shard = hasattr(ArrayImpl, "_fully_replicated_shard")
 
 
@@ -98,6 +104,11 @@ array_to_tensor: Callable[[jax.Array, int | None], torch.Tensor] = (
     _public_array_to_tensor if _jaxlib_to_capsule is None else _fast_array_to_tensor
 )
 
+#: `array_to_tensor` for an array its caller owns alone and never deletes explicitly.
+owned_array_to_tensor: Callable[[jax.Array, int | None], torch.Tensor] = (
+    _public_array_to_tensor if _jaxlib_to_capsule is None else _fast_owned_array_to_tensor
+)
+
 try:
     from jax._src.config import enable_x64 as _enable_x64_state
 
@@ -112,9 +123,17 @@ except ImportError:
         return bool(jax.config.jax_enable_x64)
 
 
-_device_cache: dict[tuple[str, int], Any] = {}
-# The backends dict the cache was filled from: `jax.clear_backends()` replaces that dict.
-_device_cache_owner: list[object] = [None]
+# Devices and the default platform, looked up once per set of backends: `jax.clear_backends()`
+# replaces the backends dict the cache was filled from.
+_cache: dict[Any, Any] = {}
+_cache_owner: list[object] = [None]
+
+
+def _current_cache() -> dict[Any, Any]:
+    if xla_bridge._backends is not _cache_owner[0]:
+        _cache.clear()
+        _cache_owner[0] = xla_bridge._backends
+    return _cache
 
 
 def jax_device(platform: str, local_id: int) -> Any:
@@ -123,14 +142,21 @@ def jax_device(platform: str, local_id: int) -> Any:
     Raises:
       RuntimeError: JAX has no backend for `platform`, or no such device.
     """
-    if xla_bridge._backends is not _device_cache_owner[0]:
-        _device_cache.clear()
-        _device_cache_owner[0] = xla_bridge._backends
+    cache = _current_cache()
     key = (platform, local_id)
-    device = _device_cache.get(key)
+    device = cache.get(key)
     if device is None:
-        device = _device_cache[key] = _lookup_device(platform, local_id)
+        device = cache[key] = _lookup_device(platform, local_id)
     return device
+
+
+def default_platform() -> str:
+    """The platform of JAX's default backend ("cpu", "gpu", ...)."""
+    cache = _current_cache()
+    platform = cache.get("default")
+    if platform is None:
+        platform = cache["default"] = jax.default_backend()
+    return platform
 
 
 def _lookup_device(platform: str, local_id: int) -> Any:

@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bridge_mr.dlpack import export_arrays, import_tensors
+from bridge_mr.dlpack import export_arrays, jit_arguments
 
 from ._avals import Aval
 from ._xla_backend import call_jax_on_xla, lowering_mesh
 
-# Below this size importing a tensor (~10 µs of Python and runtime work each) costs more than
+# Below this size importing a tensor (3-10 µs of Python and runtime work each) costs more than
 # copying it into a shared buffer, so small tensors of one dtype cross together. (Exports cost
-# ~4 µs each, about what splitting a shared buffer into views costs: outputs are not packed.)
+# ~3 µs each, about what splitting a shared buffer into views costs: outputs are not packed.)
 _PACK_BYTES = 64 * 1024
 
 
@@ -127,7 +127,7 @@ class _DlpackRunner:
             for group in self._groups
         ]
         crossing += [tensors[i] for i in self._singles]
-        arrays = import_tensors(crossing)
+        arrays = jit_arguments(crossing)
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
         outputs = self._run(*arrays, *carried)
@@ -136,7 +136,8 @@ class _DlpackRunner:
             # write to them as soon as we return. All outputs of one execution complete together.
             outputs[0].block_until_ready()
         n = self._n_exported
-        return export_arrays(outputs[:n]), outputs[n:]
+        # Fresh outputs that only this runner holds, and drops.
+        return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
 
 
 class _XlaRunner:

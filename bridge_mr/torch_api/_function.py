@@ -114,41 +114,34 @@ class TorchFunction:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         tensors: list[torch.Tensor] = []
-        signature = []
-        statics: list[Any] = []
-        static_keys: list[Any] = []
+        # A tensor's signature stands where the tensor sat; a static value's key where it did.
+        parts = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 tensors.append(leaf)
-                signature.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
-                statics.append(_TENSOR)
-                static_keys.append(_TENSOR)
+                parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
+            elif isinstance(leaf, FUNCTION_TYPES):
+                parts.append(static_key(leaf))
             else:
-                statics.append(leaf)
-                static_keys.append(static_key(leaf) if isinstance(leaf, FUNCTION_TYPES) else leaf)
+                parts.append(leaf)
         if not tensors and self._passthrough_jax:
             return self._jax_fn(*args, **kwargs)
-        key = (
-            treedef,
-            tuple(static_keys),
-            tuple(signature),
-            grad,
-            current_placement(),
-            _ambient_mesh(),
-        )
+        key = (treedef, tuple(parts), grad, current_placement(), _ambient_mesh())
         try:
             entry = self._entries.get(key)
         except TypeError:
-            raise _static_error(self, treedef, statics, tensors) from None
+            raise _static_error(self, treedef, _statics(leaves), tensors) from None
         if entry is None:
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
-            entry = self._entry(key, treedef, statics, tensors, diff)
+            entry = self._entry(key, treedef, _statics(leaves), tensors, diff)
         if torch._C._are_functorch_transforms_active():
             outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
         elif entry.diff:
             outputs = _apply(_Call(entry, tensors), *tensors)
         else:
             outputs, _ = entry.forward(tensors, ())
+        if entry.out_is_leaf:
+            return outputs[0]
         return jax.tree_util.tree_unflatten(entry.out_def, outputs)
 
     def _entry(
@@ -253,6 +246,7 @@ class _Entry:
         with trace_context(self.device_type):
             self._program.trace(*(jax.ShapeDtypeStruct(*aval) for aval in self.in_avals))
         self.n_out = len(self.out_avals)
+        self.out_is_leaf = jax.tree_util.treedef_is_leaf(self.out_def)
         self.float_outputs = tuple(
             i for i, (_, dtype) in enumerate(self.out_avals) if _avals.is_differentiable(dtype)
         )
@@ -487,6 +481,11 @@ class _JaxCall(torch.autograd.Function):
 # Function.apply binds its arguments with inspect.signature on every call (tens of µs); with no
 # functorch transform active it then calls this C++ apply, which we call directly.
 _apply = super(torch.autograd.Function, _JaxCall).apply
+
+
+def _statics(leaves: list[Any]) -> list[Any]:
+    """A call's leaves with each tensor replaced by the tensor marker."""
+    return [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
 
 
 def _mesh_of(statics: Sequence[Any]) -> Mesh | None:

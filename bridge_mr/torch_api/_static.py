@@ -70,11 +70,14 @@ class _FunctionKey:
         else:
             # Equal code objects from two modules read different globals.
             self._globals = fn.__globals__
+            defaults, kwdefaults, closure = fn.__defaults__, fn.__kwdefaults__, fn.__closure__
             parts = (
                 fn.__code__,
-                tuple(_captured_key(d) for d in fn.__defaults__ or ()),
-                tuple(sorted((k, _captured_key(v)) for k, v in (fn.__kwdefaults__ or {}).items())),
-                tuple(_captured_key(_cell_value(c)) for c in fn.__closure__ or ()),
+                () if defaults is None else tuple(map(_captured_key, defaults)),
+                ()
+                if kwdefaults is None
+                else tuple(sorted((k, _captured_key(v)) for k, v in kwdefaults.items())),
+                () if closure is None else tuple(_captured_key(_cell_value(c)) for c in closure),
             )
         self._parts = parts
         self._hash = hash((id(self._globals), parts))
