@@ -11,6 +11,10 @@ Cases (float32, CPU):
           forward+backward vs the pure-JAX pair of calls (jitted forward-with-VJP, jitted VJP).
           Target: <= 2.5x.
 
+The tiny cases also time "torch autograd floor": one custom autograd node with the same tensor
+inputs and outputs whose forward and backward only allocate their results. It is what torch
+alone charges for the node, so floor + pure JAX is a lower bound for any bridge; it is printed.
+
 Each round times every contestant for a block of iterations, in turn; the reported time is the
 median over rounds of the per-iteration time. XLA_FLAGS gets
 --xla_cpu_experimental_ynn_fusion_type=-reduce appended where jaxlib >= 0.10 (a CPU slowdown,
@@ -86,6 +90,47 @@ def bench(contestants: dict[str, Callable[[], Any]], rounds: int, block: int) ->
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+class _FloorNode(torch.autograd.Function):
+    """An autograd node that computes nothing: forward and backward only allocate results."""
+
+    @staticmethod
+    def forward(shapes: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        del tensors  # Unused.
+        return torch.empty(shapes[0])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        del output  # Unused.
+        ctx.shapes = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        del grad  # Unused.
+        return (None, *(None if shape is None else torch.empty(shape) for shape in ctx.shapes[1:]))
+
+
+def floor_contestant(
+    params: dict[str, torch.Tensor],
+    others: list[torch.Tensor],
+    out_shape: tuple[int, ...],
+    cotangent: torch.Tensor | None,
+) -> Callable[[], None]:
+    """torch's own cost of one bridge node over `params` (needing grads) and `others`."""
+    shapes = (
+        out_shape,
+        *(tuple(p.shape) for p in params.values()),
+        *(None for _ in others),
+    )
+    tensors = [*params.values(), *others]
+
+    def floor() -> None:
+        for p in params.values():
+            p.grad = None
+        torch.autograd.backward(_FloorNode.apply(shapes, *tensors), cotangent)
+
+    return floor
+
+
 def fedsgd_contestants(clients: int, width: int, batch: int, torch_loop: bool) -> dict[str, Any]:
     params_np, data_np = make_case(clients, width, batch)
     t_params = {k: torch.tensor(v, requires_grad=True) for k, v in params_np.items()}
@@ -110,6 +155,9 @@ def fedsgd_contestants(clients: int, width: int, batch: int, torch_loop: bool) -
 
     contestants = {"bridge map_reduce": bridge, "pure JAX": pure_jax}
     if torch_loop:
+        contestants["torch autograd floor"] = floor_contestant(
+            t_params, list(t_data.values()), (), None
+        )
         xs, ys = t_data["x"].unbind(0), t_data["y"].unbind(0)
 
         def pure_torch() -> None:
@@ -152,11 +200,16 @@ def torch_function_contestants(width: int, batch: int) -> dict[str, Any]:
         _, vjp = forward(j_params, j_x)
         jax.block_until_ready(backward(vjp, j_ct))
 
-    return {"bridge torch_function": bridge, "pure JAX pair": pure_jax}
+    return {
+        "bridge torch_function": bridge,
+        "pure JAX pair": pure_jax,
+        "torch autograd floor": floor_contestant(t_params, [t_x], (batch, 1), t_ct),
+    }
 
 
 def report(title: str, times: dict[str, float], base: str, targets: dict[str, float]) -> None:
     print(f"\n{title}")
+    jax_name = next(name for name in times if name.startswith("pure JAX"))
     for name, us in times.items():
         line = f"  {name:24s} {us:10.1f} µs"
         if name != base:
@@ -166,6 +219,13 @@ def report(title: str, times: dict[str, float], base: str, targets: dict[str, fl
                 verdict = "met" if ratio <= targets[name] else "MISSED"
                 line += f"  (target <= {targets[name]:.2f}x: {verdict})"
         print(line)
+    if "torch autograd floor" in times:
+        bound = times["torch autograd floor"] + times[jax_name]
+        own = times[base] - bound
+        print(
+            f"  lower bound, floor + {jax_name}: {bound:.1f} µs = {bound / times[jax_name]:.2f}x "
+            f"{jax_name}; the bridge's own cost above it: {own:.1f} µs"
+        )
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -32,6 +33,11 @@ from ._xla_backend import call_jax_on_xla, lowering_mesh
 # copying it into a shared buffer, so small tensors of one dtype cross together. (Exports cost
 # ~3 µs each, about what splitting a shared buffer into views costs: outputs are not packed.)
 _PACK_BYTES = 64 * 1024
+
+
+# Waking a thread that sleeps on a result takes tens of µs on a busy or virtualised machine, as
+# long as a tiny program runs: results that come within this time are polled for instead.
+_POLL_SECONDS = 100e-6
 
 
 class Program(Protocol):
@@ -100,6 +106,7 @@ class _DlpackRunner:
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         wrap = self._groups or self._replicated is not None
         self._run = jax.jit(self._unpacking_program) if wrap else program
+        self._poll = True
 
     def _unpacking_program(self, *flat: jax.Array) -> list[jax.Array]:
         n_in = len(self._groups) + len(self._singles)
@@ -134,10 +141,24 @@ class _DlpackRunner:
         if outputs:
             # JAX dispatch is asynchronous and the inputs alias torch memory: the caller may
             # write to them as soon as we return. All outputs of one execution complete together.
-            outputs[0].block_until_ready()
+            self._wait(outputs[0])
         n = self._n_exported
         # Fresh outputs that only this runner holds, and drops.
         return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
+
+    def _wait(self, output: jax.Array) -> None:
+        """Returns once `output` is computed: polls while this program is quick, else sleeps."""
+        clock = time.perf_counter
+        if self._poll:
+            deadline = clock() + _POLL_SECONDS
+            while not output.is_ready():
+                if clock() > deadline:
+                    break
+            else:
+                return
+        start = clock()
+        output.block_until_ready()
+        self._poll = clock() - start < _POLL_SECONDS
 
 
 class _XlaRunner:

@@ -172,16 +172,17 @@ def test_one_trace_per_signature():
     assert g.trace_count == 2  # Forward with residuals, and its VJP.
 
 
-def test_inplace_mutation_right_after_the_call_is_safe():
+@pytest.mark.parametrize("size", [8, 256], ids=["quick (polled)", "slow (waited on)"])
+def test_inplace_mutation_right_after_the_call_is_safe(size):
     def chain(x):
         for _ in range(8):
             x = jnp.tanh(x @ x)
         return x
 
     f = torch_function(chain)
-    x = torch.randn(256, 256, dtype=F64) / 16
+    x = torch.randn(size, size, dtype=F64) / size**0.5
     want = chain(jnp.asarray(x.numpy()))
-    for _ in range(5):
+    for _ in range(20):
         source = x.clone()
         out = f(source)
         source.mul_(0)
