@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-from jax._src.config import default_device as _default_device
 
 from . import _runtime
 from ._stats import ACTIVE, record
@@ -178,7 +177,7 @@ _NUMPY_DTYPES = frozenset(
 
 def _numpy_goes_to_cpu() -> bool:
     """Whether jit places a numpy argument on a CPU device (where it can share its memory)."""
-    device = _default_device.value
+    device = _runtime.default_device()
     if device is not None:
         return getattr(device, "platform", device) == "cpu"
     return _runtime.default_platform() == "cpu"

@@ -123,6 +123,20 @@ except ImportError:
         return bool(jax.config.jax_enable_x64)
 
 
+try:
+    from jax._src.config import default_device as _default_device_state
+
+    def default_device() -> Any:
+        """The `jax.default_device` in effect here (a Device, a platform name, or None)."""
+        return _default_device_state.value
+
+except ImportError:
+
+    def default_device() -> Any:
+        """The `jax.default_device` in effect here (a Device, a platform name, or None)."""
+        return jax.config.jax_default_device
+
+
 # Devices and the default platform, looked up once per set of backends: `jax.clear_backends()`
 # replaces the backends dict the cache was filled from.
 _cache: dict[Any, Any] = {}
