@@ -3,8 +3,9 @@
 The contestants come from `benchmarks.bench_overhead` (the torch frontend's own overhead
 benchmark): `map_reduce` FedSGD forward+backward against `jax.jit(jax.value_and_grad(...))` of
 the same `jax_core` program and a pure-torch loop; `torch_function` of an MLP forward+backward
-against the pure-JAX pair of jitted calls (forward with VJP, then the VJP). This case adds a
-pure-torch MLP of the same shape and times everything with the interleaved harness.
+against the pure-JAX pair of jitted calls (forward with VJP, then the VJP); and
+torch's own floor for one such autograd node (it computes nothing). This case adds a pure-torch
+MLP of the same shape and times everything with the interleaved harness.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def run(ctx: harness.Context) -> report.CaseResult:
     case.notes.append(
         "map_reduce rows: forward+backward only (no optimizer step); bridge_mr and the torch "
         "loop leave gradients in .grad, pure JAX returns them. Targets from the torch_api issue."
+    )
+    case.notes.append(
+        "torch autograd floor: one custom autograd node with the bridge's inputs and outputs "
+        "that only allocates its results; floor + pure JAX bounds any bridge from below."
     )
     case.load = meter.read()
     return case
