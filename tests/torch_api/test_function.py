@@ -147,6 +147,10 @@ def test_no_grad_runs_forward_only():
     assert_trees_all_close(out, 2 * x.detach())
     out = f(x.detach())  # Grad mode on, but nothing requires grad.
     assert out.grad_fn is None
+    with torch.inference_mode():
+        out = f(torch.ones(3, dtype=F64))
+    assert out.is_inference()
+    assert_trees_all_close(out, torch.full((3,), 2.0, dtype=F64))
     with pytest.raises(AssertionError, match="must not trace a VJP"):
         f(x)
 
