@@ -130,16 +130,7 @@ def jit_arguments(tensors: Sequence[torch.Tensor]) -> list[jax.Array | np.ndarra
     imported: list[int] = []
     for index, tensor in enumerate(tensors):
         try:
-            if (
-                tensor.dtype in _NUMPY_DTYPES
-                and tensor.is_cpu
-                and tensor.layout is _STRIDED
-                and tensor.is_contiguous()
-                and not tensor.data_ptr() % ALIGNMENT
-                and not tensor.is_neg()
-                and not tensor.is_conj()
-                and not (DTYPE_FLAGS[tensor.dtype] & _WIDE and not _runtime.x64_enabled())
-            ):
+            if tensor.dtype in _NUMPY_DTYPES and tensor.is_cpu and _shareable_as_is(tensor):
                 out.append(tensor.detach().numpy())
                 continue
         except Exception:
@@ -206,18 +197,8 @@ def _import_all(
         # by `_import_one`, which shares permuted layouts, copies where needed, or raises an
         # error that names the tensor.
         try:
-            flags = DTYPE_FLAGS[tensor.dtype]
             on_cpu = tensor.is_cpu
-            if (
-                to_array is not None
-                and (on_cpu or tensor.is_cuda)
-                and tensor.layout is _STRIDED
-                and tensor.is_contiguous()
-                and not tensor.data_ptr() % ALIGNMENT
-                and not tensor.is_neg()
-                and not (flags & _COMPLEX and tensor.is_conj())
-                and not (flags & _WIDE and not _runtime.x64_enabled())
-            ):
+            if to_array is not None and (on_cpu or tensor.is_cuda) and _shareable_as_is(tensor):
                 if tensor.requires_grad:
                     # Without this the capsule would keep the autograd graph alive.
                     tensor = tensor.detach()
@@ -238,6 +219,23 @@ def _import_all(
     if ACTIVE:
         record(imports=len(out))
     return out
+
+
+def _shareable_as_is(tensor: torch.Tensor) -> bool:
+    """Whether a tensor of a supported dtype can be shared row-major, with nothing to resolve.
+
+    Row-major and 64-byte aligned, no lazy negative or conjugate bit, and not a 64-bit dtype
+    while JAX's x64 mode is off. Raises KeyError for a dtype JAX does not support.
+    """
+    flags = DTYPE_FLAGS[tensor.dtype]
+    return (
+        tensor.layout is _STRIDED
+        and tensor.is_contiguous()
+        and not tensor.data_ptr() % ALIGNMENT
+        and not tensor.is_neg()
+        and not (flags & _COMPLEX and tensor.is_conj())
+        and not (flags & _WIDE and not _runtime.x64_enabled())
+    )
 
 
 def _import_one(
