@@ -10,6 +10,7 @@ from . import jax_core as jax_core
 from .jax_core import Placement as Placement
 from .jax_core import current_placement as current_placement
 from .jax_core import program as program
+from .torch_api import RetraceWarning as RetraceWarning
 from .torch_api import TorchFunction as TorchFunction
 from .torch_api import broadcast as broadcast
 from .torch_api import map_fn as map_fn
@@ -18,9 +19,11 @@ from .torch_api import reduce_mean as reduce_mean
 from .torch_api import reduce_sum as reduce_sum
 from .torch_api import reduce_weighted_mean as reduce_weighted_mean
 from .torch_api import torch_function as torch_function
+from .torch_api import trace_counts as trace_counts
 
 __all__ = [
     "Placement",
+    "RetraceWarning",
     "TorchFunction",
     "broadcast",
     "current_placement",
@@ -33,4 +36,5 @@ __all__ = [
     "reduce_sum",
     "reduce_weighted_mean",
     "torch_function",
+    "trace_counts",
 ]

@@ -117,14 +117,16 @@ def jit_arguments(tensors: Sequence[torch.Tensor]) -> list[jax.Array | np.ndarra
 
     While JAX's default device is a CPU device, a contiguous, 64-byte aligned CPU tensor of a
     dtype numpy has becomes a numpy view of it: jit's own argument path places such an array on
-    the CPU device without copying, ~10 µs sooner than a DLPack import. Every other tensor is
-    converted by `import_tensors`, with its rules. The same aliasing contract holds: block on
-    the call's results before anyone may write to the tensors.
+    the CPU device without copying, sooner than a DLPack import. Every other tensor is
+    converted by `import_tensors`, with its rules, and so is every tensor while a
+    `jax.transfer_guard` watches host-to-device transfers (jit would count a view as one). The
+    same aliasing contract holds: block on the call's results before anyone may write to the
+    tensors.
 
     Raises:
       TypeError: an element is not a supported tensor (the message names `tensors[i]`).
     """
-    if not _numpy_goes_to_cpu():
+    if not _numpy_goes_to_cpu() or _host_transfers_guarded():
         return import_tensors(tensors)
     out: list[Any] = []
     imported: list[int] = []
@@ -172,6 +174,15 @@ def _numpy_goes_to_cpu() -> bool:
     if device is not None:
         return getattr(device, "platform", device) == "cpu"
     return _runtime.default_platform() == "cpu"
+
+
+def _host_transfers_guarded() -> bool:
+    """Whether a `jax.transfer_guard` watches host-to-device transfers in this thread.
+
+    jit counts a numpy argument as such a transfer even where it shares memory; a DLPack import
+    shares memory without counting as one, so a guarded call takes that path.
+    """
+    return jax.config.jax_transfer_guard_host_to_device not in (None, "allow")
 
 
 def _positional_name(index: int) -> str:

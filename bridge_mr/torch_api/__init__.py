@@ -1,5 +1,7 @@
 """The torch frontend: JAX functions and MapReduce primitives on torch tensors, with autograd."""
 
+from ._caches import trace_counts as trace_counts
+from ._function import RetraceWarning as RetraceWarning
 from ._function import TorchFunction as TorchFunction
 from ._function import torch_function as torch_function
 from ._map_reduce import map_reduce as map_reduce
@@ -10,6 +12,7 @@ from ._primitives import reduce_sum as reduce_sum
 from ._primitives import reduce_weighted_mean as reduce_weighted_mean
 
 __all__ = [
+    "RetraceWarning",
     "TorchFunction",
     "broadcast",
     "map_fn",
@@ -18,4 +21,5 @@ __all__ = [
     "reduce_sum",
     "reduce_weighted_mean",
     "torch_function",
+    "trace_counts",
 ]

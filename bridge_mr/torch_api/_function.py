@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import pickle
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -11,13 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from jax.sharding import Mesh
 
+from bridge_mr import _compat
 from bridge_mr.jax_core import current_placement
 
 from . import _avals, _custom_op
 from ._executor import Runner, runner_for, trace_context
-from ._static import FUNCTION_TYPES, static_key
+from ._static import FUNCTION_TYPES, FunctionIdentity, static_key
 
 PyTree = Any
 
@@ -39,6 +43,12 @@ class _TensorSlot:
 
 _TENSOR = _TensorSlot()
 _MAX_ENTRIES = 256
+# Entries keyed by a function's identity (see _static): a function re-created on every call
+# adds one per call, so they are bounded more tightly, oldest first.
+_MAX_IDENTITY_ENTRIES = 16
+# After this many traces caused by re-created functions of one code object, warn once.
+_RETRACE_WARNING_AT = 3
+_DEVICE_TYPES = ("cpu", "cuda", "xla")
 
 # The mesh `jax.set_mesh` activates (part of the compile key); older jax has no such context.
 _ambient_mesh = getattr(jax.sharding, "get_abstract_mesh", lambda: None)
@@ -80,11 +90,53 @@ class TorchFunction:
         self._passthrough_jax = passthrough_jax
         self._name = name
         self.arg_names = tuple(arg_names)
+        self.compilable = compilable
+        self._init_caches()
+
+    def _init_caches(self) -> None:
         self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self._identity_keys: list[tuple[Any, ...]] = []
+        self._retraces: dict[Any, int] = {}
         self._lock = threading.RLock()
         self._traces = 0
-        self.compilable = compilable
-        self.uid = _custom_op.register_function(self) if compilable else ""
+        self.uid = _custom_op.register_function(self) if self.compilable else ""
+        self._eager_call = torch.compiler.disable(
+            self._call,
+            reason=(
+                f"bridge_mr: {self!r} runs a JAX program, which torch.compile cannot trace, so "
+                "it runs eagerly between two graphs. Under fullgraph=True, call a JAX function "
+                "made with bridge_mr.torch_function(jax_fn, compilable=True) instead: a "
+                "torch.library custom op that torch.compile traces (put the broadcast / map_fn "
+                "/ reduce_* of a map_reduce inside jax_fn, under @bridge_mr.program)."
+            ),
+        )
+
+    def _state(self) -> dict[str, Any]:
+        # Caches, locks and traced programs stay behind: a copy traces afresh.
+        return {
+            "jax_fn": self._jax_fn,
+            "compilable": self.compilable,
+            "passthrough_jax": self._passthrough_jax,
+            "name": self._name,
+            "arg_names": self.arg_names,
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            pickle.dumps(self._jax_fn)
+        except Exception as err:
+            raise pickle.PicklingError(
+                f"cannot pickle {self!r}: its JAX function {self._jax_fn!r} cannot be pickled "
+                f"({type(err).__name__}: {err}). Define the JAX function at module level so "
+                "pickle can find it by name, or send it with cloudpickle. (A TorchFunction "
+                "pickles as its JAX function and options; its compile cache is not pickled.)"
+            ) from err
+        return (_rebuild, (self._state(),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TorchFunction:
+        clone = _rebuild(self._state())
+        memo[id(self)] = clone
+        return clone
 
     @property
     def jax_fn(self) -> JaxFunction:
@@ -106,12 +158,15 @@ class TorchFunction:
         if self.compilable:
             return _custom_op.call(self, args, kwargs)
         if torch.compiler.is_compiling():
-            # torch.compile cannot trace into JAX: run this call eagerly, between two graphs.
-            return torch.compiler.disable(self._call)(args, kwargs)
+            # torch.compile cannot trace into JAX: this call runs eagerly, between two graphs.
+            return self._eager_call(args, kwargs)
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        try:
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        except (TypeError, ValueError) as err:
+            raise _flatten_error(self, args, kwargs) from err
         grad = torch.is_grad_enabled()
         tensors: list[torch.Tensor] = []
         # A tensor's signature stands where the tensor sat; a static value's key where it did.
@@ -119,14 +174,21 @@ class TorchFunction:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 tensors.append(leaf)
-                parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
+                parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad))
             elif isinstance(leaf, FUNCTION_TYPES):
                 parts.append(static_key(leaf))
             else:
                 parts.append(leaf)
         if not tensors and self._passthrough_jax:
             return self._jax_fn(*args, **kwargs)
-        key = (treedef, tuple(parts), grad, current_placement(), _ambient_mesh())
+        key = (
+            treedef,
+            tuple(parts),
+            grad,
+            current_placement(),
+            _ambient_mesh(),
+            _compat.jax_trace_context(),
+        )
         try:
             entry = self._entries.get(key)
         except TypeError:
@@ -134,7 +196,8 @@ class TorchFunction:
         if entry is None:
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
             entry = self._entry(key, treedef, _statics(leaves), tensors, diff)
-        if torch._C._are_functorch_transforms_active():
+        if torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
+            # torch.func transforms and forward-mode AD (dual tensors) need the Python apply.
             outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
         elif entry.diff:
             outputs = _apply(_Call(entry, tensors), *tensors)
@@ -155,12 +218,44 @@ class TorchFunction:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
+                identities = [k for k in key[1] if isinstance(k, FunctionIdentity)]
+                if identities:
+                    self._note_retrace(identities)
                 entry = _Entry(self, treedef, statics, tensors, diff)
                 # Compiled graphs name a compilable function's entries by uid: those stay.
-                if not self.compilable and len(self._entries) >= _MAX_ENTRIES:
-                    del self._entries[next(iter(self._entries))]
+                if not self.compilable:
+                    if identities:
+                        self._identity_keys.append(key)
+                        if len(self._identity_keys) > _MAX_IDENTITY_ENTRIES:
+                            self._entries.pop(self._identity_keys.pop(0), None)
+                    if len(self._entries) >= _MAX_ENTRIES:
+                        del self._entries[next(iter(self._entries))]
                 self._entries[key] = entry
             return entry
+
+    def _note_retrace(self, identities: list[FunctionIdentity]) -> None:
+        """Warns (once per code object) when functions keyed by identity keep being traced."""
+        for identity in identities:
+            code = identity.code()
+            count = self._retraces.get(code, 0) + 1
+            self._retraces[code] = count
+            if count == _RETRACE_WARNING_AT:
+                where = (
+                    f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"
+                    if code is not None
+                    else repr(identity.fn)
+                )
+                warnings.warn(
+                    f"{self!r} traced {where} {count} times: it is a new function object on "
+                    f"each call and reads {identity.why}, which bridge_mr cannot compare by "
+                    "value, so (as jax.jit does) each new object is traced and compiled "
+                    "again. To trace once, pass values that change between calls (a learning "
+                    "rate, a step count) as tensors, or create the function once and pass that "
+                    "same object (then changes to what it reads are not seen, as with "
+                    "jax.jit).",
+                    RetraceWarning,
+                    stacklevel=5,
+                )
 
     def op_entry(self, tensors: Sequence[torch.Tensor], diff: tuple[int, ...]) -> _Entry:
         """The entry for a call with these positional tensors, `diff` needing gradients."""
@@ -175,6 +270,20 @@ class TorchFunction:
     def _count_trace(self) -> None:
         with self._lock:
             self._traces += 1
+
+
+class RetraceWarning(UserWarning):
+    """A call traced again because its function is new each time and cannot be keyed by value."""
+
+
+def _rebuild(state: dict[str, Any]) -> TorchFunction:
+    return TorchFunction(
+        state["jax_fn"],
+        compilable=state["compilable"],
+        passthrough_jax=state["passthrough_jax"],
+        name=state["name"],
+        arg_names=state["arg_names"],
+    )
 
 
 def torch_function(jax_fn: JaxFunction, *, compilable: bool = False) -> TorchFunction:
@@ -219,6 +328,8 @@ class _Entry:
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise _device_error(owner, tensors, where)
+        for tensor, w in zip(tensors, where, strict=True):
+            _check_tensor(owner, tensor, w)
         self.device_type = tensors[0].device.type if tensors else "cpu"
         self.in_avals = [
             (tuple(t.shape), _avals.jax_dtype(t.dtype, where=w))
@@ -239,6 +350,7 @@ class _Entry:
         self.res_avals: list[jax.ShapeDtypeStruct] = []
         self._backward: Runner | None = None
         self._vjp_function: TorchFunction | None = None
+        self._jvp_function: TorchFunction | None = None
         self._op_runners: tuple[Runner, Runner | None] | None = None
         self.uid = _custom_op.register_entry(self) if owner.compilable else -1
 
@@ -246,7 +358,7 @@ class _Entry:
         with trace_context(self.device_type):
             self._program.trace(*(jax.ShapeDtypeStruct(*aval) for aval in self.in_avals))
         self.n_out = len(self.out_avals)
-        self.out_is_leaf = jax.tree_util.treedef_is_leaf(self.out_def)
+        self.out_is_leaf = self.n_out == 1 and jax.tree_util.treedef_is_leaf(self.out_def)
         self.float_outputs = tuple(
             i for i, (_, dtype) in enumerate(self.out_avals) if _avals.is_differentiable(dtype)
         )
@@ -414,6 +526,33 @@ class _Entry:
                     self._op_runners = (forward, backward)
         return self._op_runners
 
+    def jvp(self, primals: Sequence[torch.Tensor], tangents: Sequence[Any]) -> list[Any]:
+        """Tangents of the outputs (None for non-float ones) given tangents of the inputs."""
+        positions = tuple(
+            i
+            for i, (t, p) in enumerate(zip(tangents, primals, strict=True))
+            if t is not None and _avals.is_differentiable(self.in_avals[i][1])
+        )
+        given = [tangents[i].to(primals[i].dtype) for i in positions]
+        if self._jvp_function is None:
+            with self.owner._lock:
+                if self._jvp_function is None:
+                    self._jvp_function = TorchFunction(self._jvp, name=f"the JVP of {self.owner!r}")
+        out = iter(self._jvp_function(list(primals), given, positions))
+        return [next(out) if i in self.float_outputs else None for i in range(self.n_out)]
+
+    def _jvp(
+        self, arrays: list[jax.Array], tangents: list[jax.Array], positions: tuple[int, ...]
+    ) -> list[jax.Array]:
+        def outputs(*varied: jax.Array) -> list[jax.Array]:
+            full = list(arrays)
+            for i, array in zip(positions, varied, strict=True):
+                full[i] = array
+            return self._outputs(full)
+
+        _, out_tangents = jax.jvp(outputs, [arrays[i] for i in positions], tangents)
+        return [out_tangents[i] for i in self.float_outputs]
+
     def vjp_function(self) -> TorchFunction:
         """The VJP (inputs, cotangents) -> gradients as a torch function of its own."""
         if self._vjp_function is None:
@@ -461,6 +600,7 @@ class _JaxCall(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         call = inputs[0]
         ctx.call = call
+        ctx.save_for_forward(*inputs[1:])
         if call.entry.non_diff_outputs:
             ctx.mark_non_differentiable(*(output[i] for i in call.entry.non_diff_outputs))
 
@@ -470,11 +610,16 @@ class _JaxCall(torch.autograd.Function):
         return (None, *call.entry.backward(call, grad_outputs))
 
     @staticmethod
+    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:
+        return tuple(ctx.call.entry.jvp(ctx.saved_tensors, tangents))
+
+    @staticmethod
     def vmap(info: Any, in_dims: Any, call: _Call, *tensors: torch.Tensor) -> Any:
         raise NotImplementedError(
-            f"torch.func.vmap over {call.entry.owner!r} is not supported: JAX cannot see torch's "
-            "batching. Batch inside JAX instead: jax.vmap in the JAX function, or map_fn over "
-            "a placement."
+            f"torch.func.vmap over {call.entry.owner!r} is not supported (nor jacfwd, jacrev "
+            "and hessian, which use it): JAX cannot see torch's batching. Batch inside JAX "
+            "instead: jax.vmap (or jax.jacfwd / jax.jacrev) in the JAX function, or map_fn "
+            "over a placement."
         )
 
 
@@ -496,6 +641,68 @@ def _mesh_of(statics: Sequence[Any]) -> Mesh | None:
     get_mesh = getattr(jax.sharding, "get_mesh", None)  # Not in every supported jax.
     mesh = get_mesh() if get_mesh is not None else None
     return mesh if mesh is not None and not mesh.empty and mesh.size > 1 else None
+
+
+def _check_tensor(owner: TorchFunction, tensor: torch.Tensor, where: str) -> None:
+    """Raises for a tensor no runner can pass to JAX, naming it by `where`."""
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"{owner!r}: {where} is a {str(tensor.layout).removeprefix('torch.')} tensor of "
+            f"shape {tuple(tensor.shape)}; JAX takes dense (strided) tensors only. Convert it "
+            "with .to_dense() first, or pass its parts (indices and values) as dense tensors."
+        )
+    kind = tensor.device.type
+    if kind == "meta":
+        raise TypeError(
+            f"{owner!r}: {where} is a meta tensor of shape {tuple(tensor.shape)}: it has no "
+            "data to compute with. Materialise it first, e.g. torch.empty_like(t, "
+            "device='cpu'), or model.to_empty(device='cpu') and initialise the parameters."
+        )
+    if kind not in _DEVICE_TYPES:
+        raise TypeError(
+            f"{owner!r}: {where} is on device {tensor.device}; bridge_mr runs JAX on CPU, CUDA "
+            "and torch-xla tensors. Move it with .to('cpu') (or to a CUDA or XLA device) first."
+        )
+
+
+def _flatten_error(
+    owner: TorchFunction, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Exception:
+    """The error for arguments JAX cannot flatten: a dict whose keys do not sort."""
+    names = list(owner.arg_names) + [f"args[{i}]" for i in range(len(owner.arg_names), len(args))]
+    roots = [*zip(names, args, strict=False), *((str(k), v) for k, v in kwargs.items())]
+    for name, tree in roots:
+        found = _unsortable_dict(tree, name)
+        if found is not None:
+            path, keys = found
+            listing = ", ".join(f"{k!r} ({type(k).__name__})" for k in keys[:6])
+            return TypeError(
+                f"{owner!r}: {path} is a dict whose keys are of mixed types ({listing}); JAX "
+                "sorts dict keys to flatten a pytree, and these do not sort. Use keys of one "
+                "type, e.g. str: {str(k): v for k, v in d.items()}."
+            )
+    return TypeError(
+        f"{owner!r}: the arguments are not a pytree JAX can flatten; see the error above."
+    )
+
+
+def _unsortable_dict(tree: Any, path: str) -> tuple[str, list[Any]] | None:
+    """The path and keys of the first dict in `tree` whose keys do not sort, if any."""
+    if isinstance(tree, dict):
+        try:
+            sorted(tree)
+        except TypeError:
+            return path, list(tree)
+        children: Any = ((f"{path}[{k!r}]", v) for k, v in tree.items())
+    elif isinstance(tree, (list, tuple)):
+        children = ((f"{path}[{i}]", v) for i, v in enumerate(tree))
+    else:
+        return None
+    for child_path, child in children:
+        found = _unsortable_dict(child, child_path)
+        if found is not None:
+            return found
+    return None
 
 
 def _leaf_paths(treedef: Any, arg_names: Sequence[str]) -> list[str]:

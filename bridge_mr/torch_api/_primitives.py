@@ -39,6 +39,10 @@ _REDUCE_WEIGHTED_MEAN = TorchFunction(
 )
 
 
+#: The torch-level primitives' functions (their trace counts are public via `trace_counts`).
+PRIMITIVES = (_BROADCAST, _MAP_FN, _REDUCE_SUM, _REDUCE_MEAN, _REDUCE_WEIGHTED_MEAN)
+
+
 def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
     """Places every leaf of `x` at the active placement: a new leading axis of its size.
 

@@ -1,26 +1,90 @@
 """Compile-cache keys for static (non-tensor) arguments, functions included.
 
-A function passed as a static argument (the `fn` of `map_fn` or `map_reduce`) is often a
-lambda or a `functools.partial` built anew on every call. Keyed by identity, each call would
-trace and compile again; keyed by what determines its trace (code, globals, defaults and
-captured values, the unhashable ones by identity) a re-created but equivalent function hits
-the cache. (A global reassigned between calls is not seen, as with `jax.jit`.)
+The rule: a call never reuses a trace that a fresh `jax.jit` of the same function would not
+reuse. `jax.jit` reuses a trace for the *same function object* (even if state it read while
+tracing has changed since: JAX's documented gotcha) and traces a *new* function object again.
+
+A function passed as a static argument (the `fn` of `map_fn` or `map_reduce`) is often a lambda,
+a `functools.partial` or a bound method built anew on every call. Such a function is keyed by
+value -- its code, the globals its code reads, its defaults, the values it closes over (bound
+methods: their `self`) -- when every one of those is a value bridge_mr can compare: numbers,
+strings, bytes, None, tuples and frozensets of those, frozen dataclasses of those, immutable JAX
+and numpy arrays (by identity), dtypes, meshes and shardings, and definitions (modules, classes,
+builtins, `jax.jit` / `custom_jvp` / `custom_vjp` functions, enum members, other functions keyed
+the same way). Two such functions with equal keys trace the same program, so a re-created one
+hits the cache. If any captured value is anything else (a dict, a list, a mutable object such as
+a trainer, a torch tensor), the function is keyed by its identity, as `jax.jit` keys it: the same
+object reuses its trace, a re-created one traces again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import types
 from typing import Any
 
-FUNCTION_TYPES = (types.FunctionType, functools.partial)
+import jax
+import numpy as np
+import torch
+
+FUNCTION_TYPES = (types.FunctionType, functools.partial, types.MethodType)
 
 
 def static_key(value: Any) -> Any:
     """A hashable key that is equal for static values that trace the same way."""
     if isinstance(value, FUNCTION_TYPES):
-        return _FunctionKey(value)
+        return function_key(value)
     return value
+
+
+def function_key(fn: Any) -> Any:
+    """The key of a function: by value where its captures allow, else `FunctionIdentity`."""
+    try:
+        return _ValueKey(_function_parts(fn, set()))
+    except _NotByValue as err:
+        return FunctionIdentity(fn, err.what)
+
+
+class FunctionIdentity:
+    """Keys a function by identity; keeps it alive so that its id is not reused.
+
+    `why` names the first captured value that could not be compared by value.
+    """
+
+    __slots__ = ("fn", "why")
+
+    def __init__(self, fn: Any, why: str) -> None:
+        self.fn = fn
+        self.why = why
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FunctionIdentity) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return id(self.fn)
+
+    def code(self) -> types.CodeType | None:
+        """The code object behind the function (through partials and bound methods)."""
+        fn = self.fn
+        while isinstance(fn, (functools.partial, types.MethodType)):
+            fn = fn.func if isinstance(fn, functools.partial) else fn.__func__
+        return getattr(fn, "__code__", None)
+
+
+class _ValueKey:
+    __slots__ = ("_hash", "_parts")
+
+    def __init__(self, parts: tuple[Any, ...]) -> None:
+        self._parts = parts
+        self._hash = hash(parts)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ValueKey) and other._parts == self._parts
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 class _Identity:
@@ -38,66 +102,159 @@ class _Identity:
         return id(self.value)
 
 
-# Captured values of these types are compared by value; any other by identity, since equality
-# of arbitrary objects (tensors, arrays) may be elementwise, costly, or not say "same trace".
-_VALUE_TYPES = (int, float, complex, str, bytes, type(None), types.CodeType, type)
+class _NotByValue(Exception):
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
 
 
-def _captured_key(value: Any) -> Any:
+# Immutable and hashable, compared by value.
+_HASHABLE_VALUES = (
+    type(None),
+    bool,
+    int,
+    str,
+    bytes,
+    types.CodeType,
+    np.dtype,
+    torch.dtype,
+    torch.device,
+    jax.sharding.Mesh,
+    jax.sharding.AbstractMesh,
+    jax.sharding.PartitionSpec,
+    jax.sharding.Sharding,
+)
+# Definitions: compared by identity (rebinding one is not a change bridge_mr follows, as with jit).
+_DEFINITIONS = (
+    types.ModuleType,
+    type,
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    np.ufunc,
+    jax.numpy.ufunc,
+    enum.Enum,
+    jax.stages.Wrapped,
+    jax.custom_jvp,
+    jax.custom_vjp,
+    type(Ellipsis),
+)
+
+
+def _value(value: Any, what: str, stack: set[int]) -> Any:
+    """The key of one captured value; raises _NotByValue where it cannot compare by value."""
+    kind = type(value)
+    if kind is float:
+        return (float, value.hex())  # Unlike ==, tells -0.0 from 0.0 and NaN from itself.
+    if kind is complex:
+        return (complex, value.real.hex(), value.imag.hex())
+    if isinstance(value, _HASHABLE_VALUES):
+        return (kind, value)
     if isinstance(value, FUNCTION_TYPES):
-        return static_key(value)
-    if type(value) is tuple:
-        return tuple(_captured_key(v) for v in value)
-    if isinstance(value, _VALUE_TYPES):
-        return (type(value), value)
-    return _Identity(value)
+        return _function_parts(value, stack)
+    if isinstance(value, (tuple, frozenset)):
+        items = (_value(v, what, stack) for v in value)
+        return (kind, frozenset(items) if isinstance(value, frozenset) else tuple(items))
+    if isinstance(value, _DEFINITIONS):
+        return _Identity(value)
+    if isinstance(value, np.generic):
+        return (kind, value.tobytes())
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        return _Identity(value)  # Immutable: the same array is the same value.
+    if isinstance(value, np.ndarray) and _read_only(value):
+        return _Identity(value)
+    if _frozen_dataclass(value):
+        fields = dataclasses.fields(value)
+        return (kind, tuple(_value(getattr(value, f.name), what, stack) for f in fields))
+    raise _NotByValue(f"{what} (a {kind.__module__}.{kind.__qualname__})")
 
 
-class _FunctionKey:
-    """Equal for functions with the same code, globals, defaults and captured values."""
+def _frozen_dataclass(value: Any) -> bool:
+    params = getattr(type(value), "__dataclass_params__", None)
+    return params is not None and params.frozen and not isinstance(value, type)
 
-    __slots__ = ("_globals", "_hash", "_parts")
 
-    def __init__(self, fn: types.FunctionType | functools.partial[Any]) -> None:
-        if isinstance(fn, functools.partial):
-            self._globals = None
-            parts: tuple[Any, ...] = (
-                functools.partial,
-                static_key(fn.func),
-                tuple(_captured_key(a) for a in fn.args),
-                tuple(sorted((k, _captured_key(v)) for k, v in fn.keywords.items())),
-            )
-        else:
-            # Equal code objects from two modules read different globals.
-            self._globals = fn.__globals__
-            defaults, kwdefaults, closure = fn.__defaults__, fn.__kwdefaults__, fn.__closure__
-            parts = (
-                fn.__code__,
-                () if defaults is None else tuple(map(_captured_key, defaults)),
-                ()
-                if kwdefaults is None
-                else tuple(sorted((k, _captured_key(v)) for k, v in kwdefaults.items())),
-                () if closure is None else tuple(_captured_key(_cell_value(c)) for c in closure),
-            )
-        self._parts = parts
-        self._hash = hash((id(self._globals), parts))
+def _read_only(array: np.ndarray) -> bool:
+    """Whether no write can reach `array`'s memory: read-only down to an immutable owner."""
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return False
+        base = base.base
+    return base is None or isinstance(base, bytes)
 
-    def __eq__(self, other: object) -> bool:
+
+def _function_parts(fn: Any, stack: set[int]) -> tuple[Any, ...]:
+    if isinstance(fn, functools.partial):
         return (
-            isinstance(other, _FunctionKey)
-            and other._globals is self._globals
-            and other._parts == self._parts
+            type(fn),
+            _value(fn.func, "the partial's function", stack),
+            tuple(_value(a, "a partial argument", stack) for a in fn.args),
+            tuple(
+                sorted(
+                    (k, _value(v, f"partial argument {k}", stack)) for k, v in fn.keywords.items()
+                )
+            ),
         )
-
-    def __hash__(self) -> int:
-        return self._hash
-
-
-_EMPTY_CELL = _Identity(None)
-
-
-def _cell_value(cell: types.CellType) -> Any:
+    if isinstance(fn, types.MethodType):
+        return (
+            types.MethodType,
+            _value(fn.__func__, "the method", stack),
+            _value(fn.__self__, f"self of method {fn.__func__.__qualname__}", stack),
+        )
+    code = fn.__code__
+    if id(fn) in stack:  # A recursive reference: its captures are being keyed already.
+        return (code,)
+    stack.add(id(fn))
     try:
-        return cell.cell_contents
+        name = fn.__qualname__
+        namespace = fn.__globals__
+        defaults, kwdefaults, closure = fn.__defaults__, fn.__kwdefaults__, fn.__closure__
+        return (
+            code,
+            _Identity(namespace),  # Equal code objects from two modules read different globals.
+            tuple(
+                (g, _value(namespace[g], f"global {g!r} read by {name}", stack))
+                for g in _global_names(code)
+                if g in namespace
+            ),
+            ()
+            if defaults is None
+            else tuple(_value(d, f"a default of {name}", stack) for d in defaults),
+            ()
+            if kwdefaults is None
+            else tuple(
+                sorted(
+                    (k, _value(v, f"default {k} of {name}", stack)) for k, v in kwdefaults.items()
+                )
+            ),
+            ()
+            if closure is None
+            else tuple(
+                _cell_value(cell, f"{var!r} captured by {name}", stack)
+                for var, cell in zip(code.co_freevars, closure, strict=True)
+            ),
+        )
+    finally:
+        stack.discard(id(fn))
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names `code` (and the code nested in it) may read as globals or attribute names."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_global_names(const))
+    return tuple(sorted(names))
+
+
+_EMPTY_CELL = ("<empty cell>",)
+
+
+def _cell_value(cell: types.CellType, what: str, stack: set[int]) -> Any:
+    try:
+        value = cell.cell_contents
     except ValueError:  # A cell whose variable is not assigned yet.
         return _EMPTY_CELL
+    return _value(value, what, stack)

@@ -340,9 +340,10 @@ def test_re_created_static_functions_reuse_the_trace():
         f(functools.partial(jnp.add, offset), x)
     assert f.trace_count == 3
     captured = torch.ones(3, dtype=F64)
-    for _ in range(2):
-        assert_trees_all_close(f(lambda v: v + captured.numpy(), x), x + 1)
-    assert f.trace_count == 4  # Captured by identity: the same object, one trace.
+    for value in (1.0, 2.0):
+        captured.fill_(value)  # A mutable capture: a new lambda over it must trace again.
+        assert_trees_all_close(f(lambda v: v + captured.numpy(), x), x + value)
+    assert f.trace_count == 5
 
 
 def test_torch_func_grad_works_and_vmap_explains():

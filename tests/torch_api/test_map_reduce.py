@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType
 
+import bridge_mr
 from bridge_mr import jax_core
 from bridge_mr.torch_api import broadcast, map_reduce
-from bridge_mr.torch_api._map_reduce import _MAP_REDUCE
 
 F64 = torch.float64
 
@@ -175,13 +175,13 @@ def test_thousand_step_training_loop_compiles_once_and_keeps_memory_flat():
 
     for _ in range(100):
         step()
-    traces = _MAP_REDUCE.trace_count
+    traces = bridge_mr.trace_counts()["map_reduce"]
     gc.collect()
     rss = _rss_mib()
     for _ in range(1000):
         step()
     gc.collect()
-    assert _MAP_REDUCE.trace_count == traces
+    assert bridge_mr.trace_counts()["map_reduce"] == traces
     growth = _rss_mib() - rss
     # Keeping each step's graph alive grows it by ~12 MiB here; a flat loop by ~0.
     assert growth < 5, f"peak RSS grew by {growth:.1f} MiB over 1000 steps"
