@@ -24,6 +24,8 @@ import jax
 import numpy as np
 import torch
 
+from bridge_mr import _compat
+
 from . import _runtime
 from ._stats import ACTIVE, record
 
@@ -235,12 +237,14 @@ def _import_all(
 def _shareable_as_is(tensor: torch.Tensor) -> bool:
     """Whether a tensor of a supported dtype can be shared row-major, with nothing to resolve.
 
-    Row-major and 64-byte aligned, no lazy negative or conjugate bit, and not a 64-bit dtype
-    while JAX's x64 mode is off. Raises KeyError for a dtype JAX does not support.
+    Row-major and 64-byte aligned, no lazy negative or conjugate bit, not a 64-bit dtype while
+    JAX's x64 mode is off, and its memory holds its values (not a `__torch_dispatch__`
+    subclass). Raises KeyError for a dtype JAX does not support.
     """
     flags = DTYPE_FLAGS[tensor.dtype]
     return (
-        tensor.layout is _STRIDED
+        (type(tensor) is torch.Tensor or not _compat.dispatches_to_python(tensor))
+        and tensor.layout is _STRIDED
         and tensor.is_contiguous()
         and not tensor.data_ptr() % ALIGNMENT
         and not tensor.is_neg()
@@ -366,6 +370,9 @@ def _check_supported(tensor: Any, name_of: Callable[[int], str], index: int) -> 
         )
     elif device_type == "meta":
         problem, fix = "a meta tensor (no data)", "materialise it, e.g. with torch.empty_like"
+    elif type(tensor) is not torch.Tensor and _compat.dispatches_to_python(tensor):
+        problem = f"a {type(tensor).__qualname__}, a tensor subclass with __torch_dispatch__"
+        fix = "pass the plain tensors it holds (its memory is not its values)"
     elif tensor.is_nested:
         problem, fix = "a nested tensor", "convert it with .to_padded_tensor(0) or .unbind()"
     elif tensor.layout is not _STRIDED:

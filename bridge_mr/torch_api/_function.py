@@ -21,7 +21,7 @@ from bridge_mr.jax_core import current_placement
 
 from . import _avals, _custom_op
 from ._executor import Runner, runner_for, trace_context
-from ._static import FUNCTION_TYPES, FunctionIdentity, static_key
+from ._static import FunctionIdentity, static_key
 
 PyTree = Any
 
@@ -174,11 +174,18 @@ class TorchFunction:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 tensors.append(leaf)
-                parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad))
-            elif isinstance(leaf, FUNCTION_TYPES):
-                parts.append(static_key(leaf))
+                parts.append(
+                    (
+                        type(leaf),
+                        leaf.shape,
+                        leaf.dtype,
+                        leaf.device,
+                        leaf.layout,
+                        leaf.requires_grad,
+                    )
+                )
             else:
-                parts.append(leaf)
+                parts.append(static_key(leaf))
         if not tensors and self._passthrough_jax:
             return self._jax_fn(*args, **kwargs)
         key = (
@@ -214,6 +221,8 @@ class TorchFunction:
         statics: list[Any],
         tensors: Sequence[torch.Tensor],
         diff: tuple[int, ...],
+        *,
+        check_tensors: bool = True,
     ) -> _Entry:
         with self._lock:
             entry = self._entries.get(key)
@@ -221,7 +230,7 @@ class TorchFunction:
                 identities = [k for k in key[1] if isinstance(k, FunctionIdentity)]
                 if identities:
                     self._note_retrace(identities)
-                entry = _Entry(self, treedef, statics, tensors, diff)
+                entry = _Entry(self, treedef, statics, tensors, diff, check_tensors=check_tensors)
                 # Compiled graphs name a compilable function's entries by uid: those stay.
                 if not self.compilable:
                     if identities:
@@ -264,7 +273,10 @@ class TorchFunction:
         key = (treedef, signature, diff)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entry(key, treedef, [_TENSOR] * len(tensors), tensors, diff)
+            # The dispatcher hands the op plain tensors, or fake ones to trace: none to check.
+            entry = self._entry(
+                key, treedef, [_TENSOR] * len(tensors), tensors, diff, check_tensors=False
+            )
         return entry
 
     def _count_trace(self) -> None:
@@ -318,6 +330,8 @@ class _Entry:
         statics: list[Any],
         tensors: Sequence[torch.Tensor],
         diff: tuple[int, ...],
+        *,
+        check_tensors: bool,
     ) -> None:
         self.owner = owner
         self.treedef = treedef
@@ -328,8 +342,9 @@ class _Entry:
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise _device_error(owner, tensors, where)
-        for tensor, w in zip(tensors, where, strict=True):
-            _check_tensor(owner, tensor, w)
+        if check_tensors:
+            for tensor, w in zip(tensors, where, strict=True):
+                _check_tensor(owner, tensor, w)
         self.device_type = tensors[0].device.type if tensors else "cpu"
         self.in_avals = [
             (tuple(t.shape), _avals.jax_dtype(t.dtype, where=w))
@@ -378,7 +393,17 @@ class _Entry:
         for position, array in zip(self.tensor_positions, arrays, strict=True):
             leaves[position] = array
         args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
-        result = self.owner.jax_fn(*args, **kwargs)
+        try:
+            result = self.owner.jax_fn(*args, **kwargs)
+        except TypeError as err:
+            if "Tracer" in str(err) and "Tensor" in str(err):
+                raise TypeError(
+                    f"{self.owner!r}: a torch operation got a JAX value ({err}). The function "
+                    "runs on JAX arrays while it is traced: write it with jax.numpy (jnp.sum, "
+                    "jnp.tanh, ...), not torch, and pass torch tensors as its arguments rather "
+                    "than closing over them."
+                ) from err
+            raise
         path_leaves, out_def = jax.tree_util.tree_flatten_with_path(result)
         for path, leaf in path_leaves:
             if not isinstance(leaf, jax.Array):
@@ -431,9 +456,13 @@ class _Entry:
 
     def _cotangents(self, float_cotangents: Sequence[jax.Array]) -> list[jax.Array]:
         given = iter(float_cotangents)
+        # Outputs torch does not differentiate get zero cotangents: of their own dtype where
+        # JAX differentiates them (complex), float0 where it does not (integers, bools).
         return [
-            next(given) if i in self.float_outputs else np.zeros(shape, jax.dtypes.float0)
-            for i, (shape, _) in enumerate(self.out_avals)
+            next(given)
+            if i in self.float_outputs
+            else np.zeros(shape, dtype if jnp.issubdtype(dtype, jnp.inexact) else jax.dtypes.float0)
+            for i, (shape, dtype) in enumerate(self.out_avals)
         ]
 
     def _backward_program(self, *flat: jax.Array) -> list[jax.Array]:
@@ -558,7 +587,7 @@ class _Entry:
         if self._vjp_function is None:
             with self.owner._lock:
                 if self._vjp_function is None:
-                    self._vjp_function = TorchFunction(self._vjp)
+                    self._vjp_function = TorchFunction(self._vjp, name=f"the VJP of {self.owner!r}")
         return self._vjp_function
 
 
@@ -580,8 +609,9 @@ class _Call:
                 raise RuntimeError(
                     f"{self.entry.owner!r}: tensor input {i} (shape {tuple(tensor.shape)}) was "
                     f"modified in place after the call (version {version} -> {tensor._version}); "
-                    "backward with create_graph=True needs the original values. Clone it before "
-                    "modifying it, or run backward first."
+                    "this backward (with create_graph=True, or a second one through "
+                    "retain_graph=True) recomputes from the inputs and needs their original "
+                    "values. Clone the tensor before modifying it, or run backward first."
                 )
 
 
@@ -650,6 +680,12 @@ def _check_tensor(owner: TorchFunction, tensor: torch.Tensor, where: str) -> Non
             f"{owner!r}: {where} is a {str(tensor.layout).removeprefix('torch.')} tensor of "
             f"shape {tuple(tensor.shape)}; JAX takes dense (strided) tensors only. Convert it "
             "with .to_dense() first, or pass its parts (indices and values) as dense tensors."
+        )
+    if type(tensor) is not torch.Tensor and _compat.dispatches_to_python(tensor):
+        raise TypeError(
+            f"{owner!r}: {where} is a {type(tensor).__qualname__}, a tensor subclass with "
+            "__torch_dispatch__: its ops run Python code and its memory need not hold its "
+            "values, so JAX cannot read it. Pass the plain tensors it holds instead."
         )
     kind = tensor.device.type
     if kind == "meta":

@@ -33,10 +33,19 @@ FUNCTION_TYPES = (types.FunctionType, functools.partial, types.MethodType)
 
 
 def static_key(value: Any) -> Any:
-    """A hashable key that is equal for static values that trace the same way."""
+    """A hashable key that is equal for static values that trace the same way.
+
+    Unlike `==`, it tells 1 from 1.0 and True (they trace to different dtypes), and 0.0 from
+    -0.0; a NaN equals itself. Unhashable values give an unhashable key.
+    """
     if isinstance(value, FUNCTION_TYPES):
         return function_key(value)
-    return value
+    kind = type(value)
+    if kind is float:
+        return (float, value.hex())
+    if kind is complex:
+        return (complex, value.real.hex(), value.imag.hex())
+    return (kind, value)
 
 
 def function_key(fn: Any) -> Any:

@@ -1,0 +1,185 @@
+"""The compile cache is never staler than `jax.jit`: what a fresh jit would retrace, retraces.
+
+Each shape below reused a trace whose captured state had changed (silently wrong results)
+when functions were keyed by their code plus the identity of what they closed over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import warnings
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import assert_trees_all_close
+
+import bridge_mr
+
+F64 = torch.float64
+W = torch.tensor([1.0, 2.0], dtype=F64)
+CLIENTS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=F64)
+
+
+def _grad_step(lr, p, x):
+    return -lr * jax.grad(lambda q: jnp.sum((x @ q) ** 2))(p)
+
+
+def _expected(lr):
+    grads = [-lr * 2 * (x @ W) * x for x in CLIENTS]
+    return sum(grads) / len(grads)
+
+
+class Trainer:
+    lr = 0.1
+
+    def update(self, p, x):
+        return _grad_step(self.lr, p, x)
+
+
+def test_lambda_over_an_object_whose_attribute_changed():
+    t = Trainer()
+    out = bridge_mr.map_reduce(lambda p, x: t.update(p, x), W, CLIENTS)
+    assert_trees_all_close(out, _expected(0.1))
+    t.lr = 0.01  # A learning-rate schedule.
+    out = bridge_mr.map_reduce(lambda p, x: t.update(p, x), W, CLIENTS)
+    assert_trees_all_close(out, _expected(0.01))
+
+
+def test_bound_method_whose_object_changed():
+    t = Trainer()
+    assert_trees_all_close(bridge_mr.map_reduce(t.update, W, CLIENTS), _expected(0.1))
+    t.lr = 0.01
+    assert_trees_all_close(bridge_mr.map_reduce(t.update, W, CLIENTS), _expected(0.01))
+
+
+def test_closure_over_a_dict_whose_entry_changed():
+    config = {"lr": 0.1}
+    out = bridge_mr.map_reduce(lambda p, x: _grad_step(config["lr"], p, x), W, CLIENTS)
+    assert_trees_all_close(out, _expected(0.1))
+    config["lr"] = 0.01
+    out = bridge_mr.map_reduce(lambda p, x: _grad_step(config["lr"], p, x), W, CLIENTS)
+    assert_trees_all_close(out, _expected(0.01))
+
+
+LEARNING_RATE = 0.1
+
+
+def _global_lr_step(p, x):
+    return _grad_step(LEARNING_RATE, p, x)
+
+
+def test_module_global_reassigned():
+    global LEARNING_RATE
+    try:
+        assert_trees_all_close(bridge_mr.map_reduce(_global_lr_step, W, CLIENTS), _expected(0.1))
+        LEARNING_RATE = 0.01
+        # The same function object, a global it reads rebound: a number is compared by value.
+        assert_trees_all_close(bridge_mr.map_reduce(_global_lr_step, W, CLIENTS), _expected(0.01))
+        out = bridge_mr.map_reduce(lambda p, x: _global_lr_step(p, x), W, CLIENTS)
+        assert_trees_all_close(out, _expected(0.01))
+    finally:
+        LEARNING_RATE = 0.1
+
+
+def test_jax_config_change_retraces():
+    f = bridge_mr.torch_function(lambda x: x * 2)
+    x = torch.ones(2, dtype=torch.float32)
+    f(x)
+    with jax.numpy_dtype_promotion("standard"):
+        f(x)
+    assert f.trace_count == 2
+    f(x)
+    assert f.trace_count == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    lr: float
+    shape: tuple[int, ...]
+
+
+def test_re_created_functions_over_values_reuse_their_trace():
+    f = bridge_mr.torch_function(lambda fn, x: fn(x))
+    x = torch.ones(2, dtype=F64)
+    frozen = np.arange(2.0)
+    frozen.flags.writeable = False
+    keys = [
+        lambda: lambda v: v * 0.5,
+        lambda: functools.partial(jnp.multiply, 0.5),
+        lambda: lambda v, c=Frozen(0.5, (2,)): v * c.lr,
+        lambda: lambda v: v * jnp.asarray(frozen)[0] + 0.5 * v,
+    ]
+    for make in keys:
+        before = f.trace_count
+        for _ in range(3):
+            assert_trees_all_close(f(make(), x), 0.5 * x)
+        assert f.trace_count == before + 1, make
+
+
+def test_values_that_compare_equal_but_trace_differently_are_told_apart():
+    f = bridge_mr.torch_function(lambda fn, x: fn(x))
+    x = torch.ones(1, dtype=F64)
+    for zero, expected in ((0.0, np.inf), (-0.0, -np.inf), (0.0, np.inf)):
+        out = f(lambda v, z=zero: 1 / (v * z), x)
+        assert out.item() == expected
+
+
+def test_same_function_object_reads_state_like_jax_jit():
+    """The documented gotcha: the same object reuses its trace, as jax.jit's does."""
+    config = {"scale": 2.0}
+
+    def scaled(x):
+        return x * config["scale"]
+
+    jitted = jax.jit(scaled)
+    f = bridge_mr.torch_function(lambda fn, x: fn(x))
+    x = torch.ones(2, dtype=F64)
+    assert_trees_all_close(f(scaled, x), 2 * x)
+    jitted(jnp.ones(2))
+    config["scale"] = 3.0
+    assert_trees_all_close(f(scaled, x), 2 * x)
+    assert_trees_all_close(jitted(jnp.ones(2)), 2 * jnp.ones(2))
+
+
+def test_re_created_mutable_closures_warn_after_a_few_traces():
+    f = bridge_mr.torch_function(lambda fn, x: fn(x))
+    state = {"scale": 1.0}
+    x = torch.ones(2, dtype=F64)
+
+    def calls(n):
+        for i in range(n):
+            state["scale"] = float(i)
+            assert_trees_all_close(f(lambda v: v * state["scale"], x), i * x)
+
+    with pytest.warns(bridge_mr.RetraceWarning, match=r"reads 'state' captured by .*builtins.dict"):
+        calls(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calls(2)  # Warned once per function.
+    assert f.trace_count == 5
+
+
+def test_functions_keyed_by_identity_are_not_kept_forever():
+    f = bridge_mr.torch_function(lambda fn, x: fn(x))
+    x = torch.ones(2, dtype=F64)
+    holder = [1.0]
+    first = [lambda v: v * holder[0]]
+    dead = weakref.ref(first[0])
+
+    def calls():
+        f(first[0], x)
+        for _ in range(40):
+            f(lambda v: v * holder[0], x)
+
+    with pytest.warns(bridge_mr.RetraceWarning):
+        calls()
+    first.clear()
+    gc.collect()
+    assert f.trace_count == 41
+    assert dead() is None
