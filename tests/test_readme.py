@@ -39,6 +39,22 @@ def test_torch_quickstart_and_fedavg_blocks_run():
     assert not torch.equal(before, namespace["model"].weight.detach())
 
 
+def _block(marker: str) -> str:
+    (block,) = [b for b in _python_blocks() if marker in b]
+    return block
+
+
 def test_jax_block_runs(capsys):
-    exec(compile(_python_blocks()[2], "README JAX example", "exec"), {})
+    exec(compile(_block("def fedavg_delta"), "README JAX example", "exec"), {})
     assert "Array" in capsys.readouterr().out
+
+
+def test_retrace_block_sees_the_new_learning_rate():
+    import jax
+    import jax.numpy as jnp
+
+    import bridge_mr
+
+    namespace: dict = {"jax": jax, "jnp": jnp, "torch": torch, "bridge_mr": bridge_mr}
+    exec(compile(_block("class Trainer"), "README retrace example", "exec"), namespace)
+    torch.testing.assert_close(namespace["second"], namespace["first"] / 10)
