@@ -70,6 +70,13 @@ def call(fn: TorchFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
                 f"argument {i} is a {type(arg).__name__}. Bind static values with "
                 "functools.partial, or use torch_function(..., compilable=False) for pytrees."
             )
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"{fn!r} is compilable (a torch.library custom op), and torch.func transforms "
+            "(grad, vjp, jvp, vmap, ...) do not see through it. Under torch.func, use "
+            "torch_function(jax_fn) without compilable=True, which supports grad, vjp and jvp; "
+            "for vmap, batch inside JAX (jax.vmap or map_fn)."
+        )
     tensors = list(args)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         mask = "".join("1" if t.requires_grad else "0" for t in tensors)

@@ -312,6 +312,13 @@ def test_forward_mode_ad_with_dual_tensors():
         assert_trees_all_close(fwad.unpack_dual(out).tangent, ref_tangent, rtol=1e-10)
 
 
+@pytest.mark.parametrize("transform", [torch.func.grad, torch.func.vmap])
+def test_torch_func_over_a_compilable_function(transform):
+    f = bridge_mr.torch_function(lambda a: jnp.sum(jnp.sin(a)), compilable=True)
+    with pytest.raises(NotImplementedError, match=r"is compilable .* without compilable=True"):
+        transform(f)(torch.randn(3, dtype=F64))
+
+
 def test_jacrev_explains_and_names_the_function():
     f = bridge_mr.torch_function(jnp.sin)
     with pytest.raises(NotImplementedError, match=r"over the VJP of torch_function\(sin\).*jacrev"):
