@@ -194,7 +194,9 @@ mean_p.def_abstract_eval(_mean_abstract_eval)
 
 def _mean_lowering_fn(x: jax.Array, *, placement: str, size: int, mesh: Any) -> jax.Array:
     del placement, size, mesh  # Unused.
-    return jnp.mean(x, axis=0, dtype=mean_dtype(x.dtype))
+    # No dtype= here: jnp.mean then accumulates float16 / bfloat16 in float32 (as torch does),
+    # where a sum in the value's own dtype would overflow.
+    return jnp.mean(x, axis=0).astype(mean_dtype(x.dtype))
 
 
 mlir.register_lowering(mean_p, mlir.lower_fun(_mean_lowering_fn, multiple_results=False))

@@ -395,3 +395,15 @@ def test_trace_counts_are_public():
         "reduce_mean",
         "reduce_weighted_mean",
     }
+
+
+# --- low-precision reductions -----------------------------------------------------------------
+
+
+def test_float16_mean_accumulates_in_float32_like_torch():
+    values = torch.full((4, 2), 30000.0, dtype=torch.float16)
+    with bridge_mr.program(placements={"clients": 4}):
+        assert_trees_all_close(bridge_mr.reduce_mean(values), values.mean(0))
+    out = bridge_mr.map_reduce(lambda p, c: c * p, torch.ones(2, dtype=torch.float16), values)
+    assert out.dtype == torch.float16
+    assert_trees_all_close(out, values.mean(0))
