@@ -112,9 +112,9 @@ class _Identity:
 
 
 class _NotByValue(Exception):
-    def __init__(self, what: str) -> None:
-        super().__init__(what)
-        self.what = what
+    def __init__(self, what: tuple[Any, ...]) -> None:
+        self.what = what[0].format(*what[1:])
+        super().__init__(self.what)
 
 
 # Immutable and hashable, compared by value.
@@ -124,7 +124,6 @@ _HASHABLE_VALUES = (
     int,
     str,
     bytes,
-    types.CodeType,
     np.dtype,
     torch.dtype,
     torch.device,
@@ -133,6 +132,7 @@ _HASHABLE_VALUES = (
     jax.sharding.PartitionSpec,
     jax.sharding.Sharding,
 )
+_EXACT_HASHABLE = frozenset({type(None), bool, int, str, bytes})
 # Definitions: compared by identity (rebinding one is not a change bridge_mr follows, as with jit).
 _DEFINITIONS = (
     types.ModuleType,
@@ -150,11 +150,19 @@ _DEFINITIONS = (
 )
 
 
-def _value(value: Any, what: str, stack: set[int]) -> Any:
-    """The key of one captured value; raises _NotByValue where it cannot compare by value."""
+def _value(value: Any, what: tuple[Any, ...], stack: set[int]) -> Any:
+    """The key of one captured value; raises _NotByValue where it cannot compare by value.
+
+    `what` describes the value for the error (a format string and its arguments, formatted
+    only when needed: keys are built on every call).
+    """
     kind = type(value)
+    if kind in _EXACT_HASHABLE:
+        return (kind, value)
     if kind is float:
         return (float, value.hex())  # Unlike ==, tells -0.0 from 0.0 and NaN from itself.
+    if kind is types.ModuleType or kind is types.FunctionType:
+        return _Identity(value) if kind is types.ModuleType else _function_parts(value, stack)
     if kind is complex:
         return (complex, value.real.hex(), value.imag.hex())
     if isinstance(value, _HASHABLE_VALUES):
@@ -175,7 +183,11 @@ def _value(value: Any, what: str, stack: set[int]) -> Any:
     if _frozen_dataclass(value):
         fields = dataclasses.fields(value)
         return (kind, tuple(_value(getattr(value, f.name), what, stack) for f in fields))
-    raise _NotByValue(f"{what} (a {kind.__module__}.{kind.__qualname__})")
+    raise _NotByValue(_with_type(what, kind))
+
+
+def _with_type(what: tuple[Any, ...], kind: type) -> tuple[Any, ...]:
+    return (what[0] + " (a {}.{})", *what[1:], kind.__module__, kind.__qualname__)
 
 
 def _frozen_dataclass(value: Any) -> bool:
@@ -197,71 +209,74 @@ def _function_parts(fn: Any, stack: set[int]) -> tuple[Any, ...]:
     if isinstance(fn, functools.partial):
         return (
             type(fn),
-            _value(fn.func, "the partial's function", stack),
-            tuple(_value(a, "a partial argument", stack) for a in fn.args),
+            _value(fn.func, ("the partial's function",), stack),
+            tuple(_value(a, ("a partial argument",), stack) for a in fn.args),
             tuple(
                 sorted(
-                    (k, _value(v, f"partial argument {k}", stack)) for k, v in fn.keywords.items()
+                    (k, _value(v, ("partial argument {}", k), stack))
+                    for k, v in fn.keywords.items()
                 )
             ),
         )
     if isinstance(fn, types.MethodType):
         return (
             types.MethodType,
-            _value(fn.__func__, "the method", stack),
-            _value(fn.__self__, f"self of method {fn.__func__.__qualname__}", stack),
+            _value(fn.__func__, ("the method",), stack),
+            _value(fn.__self__, ("self of method {}", fn.__func__.__qualname__), stack),
         )
     code = fn.__code__
-    if id(fn) in stack:  # A recursive reference: its captures are being keyed already.
-        return (code,)
-    stack.add(id(fn))
+    key = id(fn)
+    if key in stack:  # A recursive reference: its captures are being keyed already.
+        return (_Identity(code),)
+    stack.add(key)
     try:
         name = fn.__qualname__
         namespace = fn.__globals__
-        defaults, kwdefaults, closure = fn.__defaults__, fn.__kwdefaults__, fn.__closure__
-        return (
-            code,
-            _Identity(namespace),  # Equal code objects from two modules read different globals.
-            tuple(
-                (g, _value(namespace[g], f"global {g!r} read by {name}", stack))
-                for g in _global_names(code)
-                if g in namespace
-            ),
-            ()
-            if defaults is None
-            else tuple(_value(d, f"a default of {name}", stack) for d in defaults),
-            ()
-            if kwdefaults is None
-            else tuple(
-                sorted(
-                    (k, _value(v, f"default {k} of {name}", stack)) for k, v in kwdefaults.items()
-                )
-            ),
-            ()
-            if closure is None
-            else tuple(
-                _cell_value(cell, f"{var!r} captured by {name}", stack)
-                for var, cell in zip(code.co_freevars, closure, strict=True)
-            ),
-        )
+        # Identity for the code: a re-created function shares its code object, and hashing
+        # one by value hashes all its bytecode. Equal code from two modules reads other globals.
+        parts: list[Any] = [_Identity(code), _Identity(namespace)]
+        for g in _global_names(code):
+            if g in namespace:
+                parts += (g, _value(namespace[g], ("global {!r} read by {}", g, name), stack))
+        if fn.__defaults__ is not None:
+            parts += [_value(d, ("a default of {}", name), stack) for d in fn.__defaults__]
+        if fn.__kwdefaults__ is not None:
+            for k, v in sorted(fn.__kwdefaults__.items()):
+                parts += (k, _value(v, ("default {} of {}", k, name), stack))
+        if fn.__closure__ is not None:
+            parts.append(len(fn.__closure__))
+            for var, cell in zip(code.co_freevars, fn.__closure__, strict=True):
+                parts.append(_cell_value(cell, ("{!r} captured by {}", var, name), stack))
+        return tuple(parts)
     finally:
-        stack.discard(id(fn))
+        stack.discard(key)
 
 
-@functools.lru_cache(maxsize=4096)
+_NAMES: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
+
+
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names `code` (and the code nested in it) may read as globals or attribute names."""
+    """Names `code` (and the code nested in it) may read as globals or attribute names.
+
+    Cached by identity (the entry keeps its code alive, so the id is not reused).
+    """
+    cached = _NAMES.get(id(code))
+    if cached is not None and cached[0] is code:
+        return cached[1]
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names.update(_global_names(const))
-    return tuple(sorted(names))
+    result = tuple(sorted(names))
+    if len(_NAMES) < 4096:
+        _NAMES[id(code)] = (code, result)
+    return result
 
 
 _EMPTY_CELL = ("<empty cell>",)
 
 
-def _cell_value(cell: types.CellType, what: str, stack: set[int]) -> Any:
+def _cell_value(cell: types.CellType, what: tuple[Any, ...], stack: set[int]) -> Any:
     try:
         value = cell.cell_contents
     except ValueError:  # A cell whose variable is not assigned yet.
