@@ -61,10 +61,13 @@ def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
 
     With a mesh that has an axis named like the placement (`mesh`, `jax.set_mesh` or the legacy
     `with mesh:`), the result is sharded along it and the other dimensions keep the sharding of
-    the input.
+    the input. With a mesh without that axis (Auto or Explicit), the placement axis is unsharded
+    and the other dimensions again keep the input's sharding. A mesh may mix Auto and Explicit
+    axes: the placement axis's type decides whether placed values are typed sharded (Explicit)
+    or only constrained for the partitioner (Auto).
     """
     placement = require_placement("broadcast")
-    mesh = placement_mesh(mesh, placement.name, argument="broadcast(mesh=...)")
+    mesh = placement_mesh(mesh, placement, caller="broadcast")
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     placed = [
         _primitives.placed_broadcast(
@@ -108,7 +111,7 @@ def reduce_mean(x: PyTree) -> PyTree:
 
 def _reduce(reduction: Callable[..., jax.Array], x: PyTree, name: str) -> PyTree:
     placement = require_placement(name)
-    mesh = _explicit_only(placement_mesh(None, placement.name, argument=name), placement.name)
+    mesh = _explicit_only(placement_mesh(None, placement, caller=name), placement.name)
     leaves, treedef = _placed_leaves(x, placement, argument=f"{name}(x)")
     reduced = [
         reduction(leaf, placement=placement.name, size=placement.size, mesh=mesh) for leaf in leaves
@@ -124,15 +127,17 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
     each leaf's slices) used for every leaf of `x`, or a pytree with the structure of `x`.
     """
     placement = require_placement("reduce_weighted_mean")
+    # The sums' mesh errors then name reduce_weighted_mean.
+    total = functools.partial(_reduce, _primitives.placed_sum, name="reduce_weighted_mean")
     x_leaves, x_def = _placed_leaves(x, placement, argument="reduce_weighted_mean(x)")
     w_def = jax.tree_util.tree_structure(w)
     if w_def.num_leaves == 1 and w_def.num_nodes == 1:
         (w_leaf,), _ = _placed_leaves(w, placement, argument="reduce_weighted_mean(w)")
         w_leaves = [w_leaf] * len(x_leaves)
-        denominators = reduce_sum([w_leaf]) * len(x_leaves)  # One sum serves every leaf.
+        denominators = total([w_leaf]) * len(x_leaves)  # One sum serves every leaf.
     elif w_def == x_def:
         w_leaves, _ = _placed_leaves(w, placement, argument="reduce_weighted_mean(w)")
-        denominators = reduce_sum(w_leaves)
+        denominators = total(w_leaves)
     else:
         raise ValueError(
             "reduce_weighted_mean(w): expected one placed weight array (shape "
@@ -140,7 +145,7 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
             "Pass a single per-client weight vector, or weights shaped like the values."
         )
     products = [x * _weight_slice(w, x) for x, w in zip(x_leaves, w_leaves, strict=True)]
-    numerators = reduce_sum(products)
+    numerators = total(products)
     means = [
         num / _weight_slice(den, num) for num, den in zip(numerators, denominators, strict=True)
     ]
@@ -156,13 +161,25 @@ def _weight_slice(w: jax.Array, x: jax.Array) -> jax.Array:
             "the values."
         )
     w = w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
-    x_sharding, w_sharding = jax.typeof(x).sharding, jax.typeof(w).sharding
-    if x.ndim and x_sharding.spec and x_sharding.spec[0] != w_sharding.spec[0]:
-        # Explicit axes: a weight typed otherwise than its value breaks the product's
-        # transpose, so give the weight the value's leading sharding first.
-        spec = P(x_sharding.spec[0], *([None] * (w.ndim - 1)))
-        w = jax.sharding.reshard(w, NamedSharding(x_sharding.mesh, spec))
+    # Explicit axes: a weight typed otherwise than its value breaks the product's transpose, so
+    # give each weight dimension the sharding of the value's, except where the weight broadcasts
+    # (size 1, e.g. a per-client scalar or the summed weight, which cannot be sharded).
+    spec = tuple(
+        entry if w_size == x_size else None
+        for entry, w_size, x_size in zip(_full_spec(x), w.shape, x.shape, strict=True)
+    )
+    if spec != _full_spec(w):
+        # A value from outside any mesh has an empty one; the weight's then gives the layout.
+        mesh = jax.typeof(x).sharding.mesh
+        mesh = jax.typeof(w).sharding.mesh if mesh.empty else mesh
+        w = jax.sharding.reshard(w, NamedSharding(mesh, P(*spec)))
     return w
+
+
+def _full_spec(x: jax.Array) -> tuple[Any, ...]:
+    """The sharding spec of `x`'s type, one entry per dimension."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
 
 
 def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
@@ -178,7 +195,7 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
             f"map_fn(fn, arg): fn must be callable (it is applied to each of the "
             f"{placement.size} {placement.name!r} slices); got {type(fn).__name__}: {fn!r}."
         )
-    mesh = placement_mesh(mesh, placement.name, argument="map_fn(mesh=...)")
+    mesh = placement_mesh(mesh, placement, caller="map_fn")
     leaves, treedef = _placed_leaves(arg, placement, argument="map_fn(arg)")
     arg = jax.tree_util.tree_unflatten(treedef, leaves)
     args = arg if isinstance(arg, tuple) else (arg,)

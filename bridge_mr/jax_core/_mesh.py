@@ -8,6 +8,8 @@ import jax
 from jax._src import mesh as _mesh_internal  # legacy `with mesh:` without a DeprecationWarning
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from ._program import Placement
+
 AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 
@@ -23,35 +25,41 @@ def _ambient_mesh() -> AnyMesh | None:
     return None if legacy.empty else legacy
 
 
-def placement_mesh(mesh: AnyMesh | None, placement: str, *, argument: str) -> AnyMesh | None:
+def placement_mesh(mesh: AnyMesh | None, placement: Placement, *, caller: str) -> AnyMesh | None:
     """Returns the mesh to shard `placement` over, or None for unconstrained execution.
 
-    `mesh` (an explicit argument) wins over `jax.set_mesh` and the legacy `with mesh:`. A mesh
-    without a `placement` axis gives None when its axes are Auto, and an error when they are
-    Explicit (an Explicit mesh must say where every placed value lives). A Manual placement
-    axis (inside `shard_map`) also gives None: values are already local to one shard.
+    `mesh` (the `mesh=` argument of `caller`) wins over `jax.set_mesh` and the legacy
+    `with mesh:`. A mesh without a `placement` axis gives None, as in drjax: placed values keep
+    the placement axis unsharded and their other dimensions keep their sharding (with Explicit
+    axes too, and under `jit` too). A Manual placement axis (inside `shard_map`) also gives None:
+    values are already local to one shard. An Explicit placement axis must divide the placement
+    size, since Explicit shardings are even.
     """
     if mesh is None:
-        mesh = _ambient_mesh()
-    elif not isinstance(mesh, (Mesh, AbstractMesh)):
+        mesh, source = _ambient_mesh(), "the mesh set with jax.set_mesh (or `with mesh:`)"
+    elif isinstance(mesh, (Mesh, AbstractMesh)):
+        source = f"the mesh passed as {caller}(mesh=...)"
+    else:
         raise TypeError(
-            f"{argument} expects a jax.sharding.Mesh or AbstractMesh (or None for the mesh set "
-            f"with jax.set_mesh); got {type(mesh).__name__}: {mesh!r}."
+            f"{caller}(mesh=...) expects a jax.sharding.Mesh or AbstractMesh (or None for the "
+            f"mesh set with jax.set_mesh); got {type(mesh).__name__}: {mesh!r}."
         )
-    if mesh is None or mesh.empty:
+    if mesh is None or mesh.empty or placement.name not in mesh.axis_names:
         return None
-    if placement not in mesh.axis_names:
-        if any(t == AxisType.Explicit for t in mesh.axis_types):
-            raise ValueError(
-                f"{argument}: the mesh has Explicit axes {mesh.axis_names} but no axis named "
-                f"{placement!r}, so bridge_mr cannot say how placed values are sharded. Add a "
-                f"{placement!r} axis to the mesh (e.g. jax.make_mesh((n, ...), "
-                f"({placement!r}, ...))), or make its axes Auto "
-                "(axis_types=(jax.sharding.AxisType.Auto, ...))."
-            )
+    kind = axis_type(mesh, placement.name)
+    if kind == AxisType.Manual:
         return None
-    if axis_type(mesh, placement) == AxisType.Manual:
-        return None
+    axis_size = mesh.shape[placement.name]
+    if kind == AxisType.Explicit and placement.size % axis_size:
+        raise ValueError(
+            f"bridge_mr.{caller}: placement {placement.name!r} has size {placement.size}, which "
+            f"the Explicit axis {placement.name!r} of size {axis_size} of {source} does not "
+            f"divide (mesh axes {dict(mesh.shape)}), and Explicit shardings must be even. Use a "
+            f"{placement.name!r} count divisible by {axis_size} (e.g. pad with zero-weight "
+            f"{placement.name} up to {-(-placement.size // axis_size) * axis_size}), a mesh whose "
+            f"{placement.name!r} axis size divides {placement.size}, or make that axis Auto "
+            "(axis_types=(jax.sharding.AxisType.Auto, ...)), which allows uneven sharding."
+        )
     return mesh
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import namedtuple
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_all_close
+from jax.sharding import AxisType
 
 from bridge_mr import jax_core as mr
 
@@ -200,14 +202,46 @@ def test_non_callable_decoratee():
         mr.program(clients=2)(42)
 
 
-def test_explicit_mesh_without_placement_axis():
-    mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+_UNEVEN_CALLS = {
+    "broadcast": lambda mesh: mr.broadcast(jnp.ones(2)),
+    "broadcast_mesh_argument": lambda mesh: mr.broadcast(jnp.ones(2), mesh=mesh),
+    "map_fn": lambda mesh: mr.map_fn(jnp.sin, jnp.ones((6, 2))),
+    "map_fn_mesh_argument": lambda mesh: mr.map_fn(jnp.sin, jnp.ones((6, 2)), mesh=mesh),
+    "reduce_sum": lambda mesh: mr.reduce_sum(jnp.ones((6, 2))),
+    "reduce_mean": lambda mesh: mr.reduce_mean(jnp.ones((6, 2))),
+    "reduce_weighted_mean": lambda mesh: mr.reduce_weighted_mean(jnp.ones((6, 2)), jnp.ones(6)),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "axis_types",
+    [(AxisType.Explicit, AxisType.Explicit), (AxisType.Explicit, AxisType.Auto)],
+    ids=["explicit", "clients_explicit_d_auto"],
+)
+@pytest.mark.parametrize("name", list(_UNEVEN_CALLS))
+def test_explicit_placement_axis_that_does_not_divide_the_placement_size(name, axis_types, jit):
+    mesh = jax.make_mesh((4, 2), ("clients", "d"), axis_types=axis_types)
+    caller = name.removesuffix("_mesh_argument")
+    source = (
+        rf"the mesh passed as {caller}\(mesh=\.\.\.\)"
+        if name.endswith("_mesh_argument")
+        else r"the mesh set with jax\.set_mesh \(or `with mesh:`\)"
+    )
+    fn = mr.program(clients=6)(functools.partial(_UNEVEN_CALLS[name], mesh))
     with (
         jax.set_mesh(mesh),
-        mr.program(clients=2),
-        pytest.raises(ValueError, match=r"Explicit axes \('model',\) but no axis named 'clients'"),
+        pytest.raises(
+            ValueError,
+            match=(
+                rf"bridge_mr\.{caller}: placement 'clients' has size 6, which the Explicit axis "
+                rf"'clients' of size 4 of {source} does not divide .*divisible by 4 \(e\.g\. pad "
+                r"with zero-weight clients up to 8\), a mesh whose 'clients' axis size divides 6, "
+                r"or make that axis Auto"
+            ),
+        ),
     ):
-        mr.broadcast(jnp.ones(2))
+        (jax.jit(fn) if jit else fn)()
 
 
 def test_mesh_argument_of_the_wrong_type():

@@ -208,3 +208,73 @@ def test_weighted_mean_gradients_with_an_explicit_mesh_argument():
     loss = mr.program(clients=8)(lambda x, w: _weighted_loss(x, w, mesh=mesh))
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(*jax.device_put((x, w), replicated))
     assert_trees_all_close(got, expected, rtol=1e-12)
+
+
+# --- meshes mixing Auto and Explicit axes; placement sizes the mesh axis does not divide ------
+
+JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+MIXED = {"clients_explicit_d_auto": (EXPLICIT, AUTO), "clients_auto_d_explicit": (AUTO, EXPLICIT)}
+
+
+def _full_round(x, y, w):
+    """_round with the weighted mean: every primitive of the API."""
+    placed, mapped, summed, mean = _round(x, y)
+    return placed, mapped, summed, mean, mr.reduce_weighted_mean(mapped, w)
+
+
+def _full_loss(x, y, w):
+    _, _, summed, mean, weighted = _full_round(x, y, w)
+    return jnp.sum(summed**2) + jnp.sum(jnp.sin(mean)) + jnp.sum(weighted * mean)
+
+
+def _full_inputs(n):
+    x, y = _inputs(n)
+    return x, y, jnp.asarray(np.random.default_rng(7).uniform(0.5, 2.0, size=(n,)))
+
+
+def _run_on_mesh(mesh, n, jit, x_spec):
+    """Values and gradients of _full_round on `mesh`, and the same without any mesh."""
+    wrap = jax.jit if jit else (lambda f: f)
+    fn = mr.program(clients=n)(_full_round)
+    grad = jax.grad(mr.program(clients=n)(_full_loss), argnums=(0, 1, 2))
+    x, y, w = _full_inputs(n)
+    expected = fn(x, y, w), grad(x, y, w)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, x_spec))
+        got = wrap(fn)(x, y, w), wrap(grad)(x, y, w)
+    return got, expected
+
+
+@JIT
+@pytest.mark.parametrize("axis_types", list(MIXED.values()), ids=list(MIXED))
+def test_meshes_mixing_auto_and_explicit_axes(axis_types, jit):
+    mesh = jax.make_mesh((4, 2), ("clients", "d"), axis_types=axis_types)
+    got, expected = _run_on_mesh(mesh, 8, jit, x_spec=P(None, "d"))
+    placed, mapped, *_ = got[0]
+    for value in (placed, mapped):
+        assert value.sharding.spec[0] == "clients"
+    typed = P("clients", None, None) if axis_types[0] == EXPLICIT else P(None, None, "d")
+    assert jax.typeof(placed).sharding.spec == typed
+    assert_trees_all_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@JIT
+@pytest.mark.parametrize(
+    "axis_types", [(AUTO, AUTO), (AUTO, EXPLICIT)], ids=["auto", "clients_auto_d_explicit"]
+)
+def test_auto_placement_axis_that_does_not_divide_the_placement_size(axis_types, jit):
+    # 6 clients over 4 devices: XLA pads the placement axis inside the computation.
+    mesh = jax.make_mesh((4, 2), ("clients", "d"), axis_types=axis_types)
+    got, expected = _run_on_mesh(mesh, 6, jit, x_spec=P())
+    assert_trees_all_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@JIT
+def test_mixed_mesh_without_placement_axis_keeps_other_shardings(jit):
+    # All-Explicit meshes without the placement axis: test_drjax_parity.py.
+    mesh = jax.make_mesh((4, 2), ("model", "d"), axis_types=(EXPLICIT, AUTO))
+    got, expected = _run_on_mesh(mesh, 3, jit, x_spec=P(None, "model"))
+    (placed, *_), grads = got
+    assert jax.typeof(placed).sharding.spec == P(None, None, "model")
+    assert jax.typeof(grads[0]).sharding.spec == P(None, "model")
+    assert_trees_all_close(got, expected, rtol=1e-12, atol=1e-12)
