@@ -96,7 +96,8 @@ class TorchFunction:
     def _init_caches(self) -> None:
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._identity_keys: list[tuple[Any, ...]] = []
-        self._retraces: dict[Any, int] = {}
+        # Per code object: how many distinct function objects of it were traced, and the last.
+        self._retraces: dict[Any, tuple[int, int]] = {}
         self._lock = threading.RLock()
         self._traces = 0
         self.uid = _custom_op.register_function(self) if self.compilable else ""
@@ -243,11 +244,17 @@ class TorchFunction:
             return entry
 
     def _note_retrace(self, identities: list[FunctionIdentity]) -> None:
-        """Warns (once per code object) when functions keyed by identity keep being traced."""
+        """Warns (once per code object) when new function objects keep being traced.
+
+        A new shape for the same function object is an ordinary trace, not counted.
+        """
         for identity in identities:
             code = identity.code()
-            count = self._retraces.get(code, 0) + 1
-            self._retraces[code] = count
+            count, last = self._retraces.get(code, (0, 0))
+            if id(identity.fn) == last:
+                continue
+            count += 1
+            self._retraces[code] = (count, id(identity.fn))
             if count == _RETRACE_WARNING_AT:
                 where = (
                     f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"

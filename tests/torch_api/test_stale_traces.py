@@ -172,3 +172,18 @@ def test_functions_keyed_by_identity_are_not_kept_forever():
     gc.collect()
     assert f.trace_count == 41
     assert dead() is None
+
+
+CONFIG = {"scale": 2.0}
+
+
+def _scaled_by_config(server, client):
+    return jnp.sum(server * client) * CONFIG["scale"]
+
+
+def test_new_shapes_of_the_same_function_object_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in (2, 3, 4, 5):
+            s = torch.ones(k, dtype=F64, requires_grad=True)
+            bridge_mr.map_reduce(_scaled_by_config, s, torch.ones(5, k, dtype=F64)).backward()
