@@ -28,4 +28,28 @@ def dispatches_to_python(tensor: Any) -> bool:
     """
     import torch
 
+    if type(tensor) is torch.Tensor:  # The common case, without the dispatcher query.
+        return False
     return bool(torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python))
+
+
+def graph_break_resumes() -> bool:
+    """Whether Dynamo resumes after `torch._dynamo.graph_break()` (checked on torch 2.13).
+
+    After such a break torch 2.9 runs the rest of the frame outside Dynamo but still traces its
+    callees, so a `torch.compiler.disable`d call that follows is traced (and fails) there.
+    """
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
+def forward_ad_active() -> bool:
+    """Whether a `torch.autograd.forward_ad.dual_level` is open (dual tensors may exist).
+
+    Read from the module's level counter, which `dual_level` maintains. torch 2.9 - 2.13.
+    """
+    import torch.autograd.forward_ad as forward_ad
+
+    return forward_ad._current_level >= 0

@@ -243,7 +243,7 @@ def _shareable_as_is(tensor: torch.Tensor) -> bool:
     """
     flags = DTYPE_FLAGS[tensor.dtype]
     return (
-        (type(tensor) is torch.Tensor or not _compat.dispatches_to_python(tensor))
+        not _compat.dispatches_to_python(tensor)
         and tensor.layout is _STRIDED
         and tensor.is_contiguous()
         and not tensor.data_ptr() % ALIGNMENT
@@ -370,7 +370,7 @@ def _check_supported(tensor: Any, name_of: Callable[[int], str], index: int) -> 
         )
     elif device_type == "meta":
         problem, fix = "a meta tensor (no data)", "materialise it, e.g. with torch.empty_like"
-    elif type(tensor) is not torch.Tensor and _compat.dispatches_to_python(tensor):
+    elif _compat.dispatches_to_python(tensor):
         problem = f"a {type(tensor).__qualname__}, a tensor subclass with __torch_dispatch__"
         fix = "pass the plain tensors it holds (its memory is not its values)"
     elif tensor.is_nested:

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from jax.sharding import Mesh
 
 from bridge_mr import _compat
@@ -49,6 +48,7 @@ _MAX_IDENTITY_ENTRIES = 16
 # After this many traces caused by re-created functions of one code object, warn once.
 _RETRACE_WARNING_AT = 3
 _DEVICE_TYPES = ("cpu", "cuda", "xla")
+_GRAPH_BREAK_RESUMES = _compat.graph_break_resumes()
 
 # The mesh `jax.set_mesh` activates (part of the compile key); older jax has no such context.
 _ambient_mesh = getattr(jax.sharding, "get_abstract_mesh", lambda: None)
@@ -91,9 +91,6 @@ class TorchFunction:
         self._name = name
         self.arg_names = tuple(arg_names)
         self.compilable = compilable
-        self._init_caches()
-
-    def _init_caches(self) -> None:
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._identity_keys: list[tuple[Any, ...]] = []
         # Per code object: how many distinct function objects of it were traced, and the last.
@@ -101,16 +98,6 @@ class TorchFunction:
         self._lock = threading.RLock()
         self._traces = 0
         self.uid = _custom_op.register_function(self) if self.compilable else ""
-        self._eager_call = torch.compiler.disable(
-            self._call,
-            reason=(
-                f"bridge_mr: {self!r} runs a JAX program, which torch.compile cannot trace, so "
-                "it runs eagerly between two graphs. Under fullgraph=True, call a JAX function "
-                "made with bridge_mr.torch_function(jax_fn, compilable=True) instead: a "
-                "torch.library custom op that torch.compile traces (put the broadcast / map_fn "
-                "/ reduce_* of a map_reduce inside jax_fn, under @bridge_mr.program)."
-            ),
-        )
 
     def _state(self) -> dict[str, Any]:
         # Caches, locks and traced programs stay behind: a copy traces afresh.
@@ -160,7 +147,18 @@ class TorchFunction:
             return _custom_op.call(self, args, kwargs)
         if torch.compiler.is_compiling():
             # torch.compile cannot trace into JAX: this call runs eagerly, between two graphs.
-            return self._eager_call(args, kwargs)
+            # The explicit break carries the reason (fullgraph=True reports it); the disabled
+            # call is built here, not ahead, as building one imports torch._dynamo.
+            if _GRAPH_BREAK_RESUMES:
+                torch._dynamo.graph_break(
+                    msg=f"bridge_mr: {self!r} runs a JAX program, which torch.compile cannot "
+                    "trace, so it runs eagerly between two graphs. Under fullgraph=True, call a "
+                    "JAX function made with bridge_mr.torch_function(jax_fn, compilable=True) "
+                    "instead: a torch.library custom op that torch.compile traces (put the "
+                    "broadcast / map_fn / reduce_* of a map_reduce inside jax_fn, under "
+                    "@bridge_mr.program)."
+                )
+            return torch.compiler.disable(self._call)(args, kwargs)
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
@@ -204,9 +202,9 @@ class TorchFunction:
         if entry is None:
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
             entry = self._entry(key, treedef, _statics(leaves), tensors, diff)
-        if torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
+        if torch._C._are_functorch_transforms_active() or _compat.forward_ad_active():
             # torch.func transforms and forward-mode AD (dual tensors) need the Python apply.
-            outputs = _JaxCall.apply(_Call(entry, tensors), *tensors)
+            outputs = _JaxCall.apply(_Call(entry, tensors, forward_mode=True), *tensors)
         elif entry.diff:
             outputs = _apply(_Call(entry, tensors), *tensors)
         else:
@@ -296,13 +294,7 @@ class RetraceWarning(UserWarning):
 
 
 def _rebuild(state: dict[str, Any]) -> TorchFunction:
-    return TorchFunction(
-        state["jax_fn"],
-        compilable=state["compilable"],
-        passthrough_jax=state["passthrough_jax"],
-        name=state["name"],
-        arg_names=state["arg_names"],
-    )
+    return TorchFunction(**state)
 
 
 def torch_function(jax_fn: JaxFunction, *, compilable: bool = False) -> TorchFunction:
@@ -433,9 +425,12 @@ class _Entry:
         self.out_def, self.out_avals = out_def, out_avals
         return [leaf for _, leaf in path_leaves]
 
-    def _with_diff(self, arrays: Sequence[jax.Array], *diff_arrays: jax.Array) -> list[jax.Array]:
+    def _with(
+        self, positions: tuple[int, ...], arrays: Sequence[jax.Array], *varied: jax.Array
+    ) -> list[jax.Array]:
+        """The outputs, with the inputs at `positions` replaced by `varied`."""
         full = list(arrays)
-        for i, array in zip(self.diff, diff_arrays, strict=True):
+        for i, array in zip(positions, varied, strict=True):
             full[i] = array
         return self._outputs(full)
 
@@ -446,7 +441,7 @@ class _Entry:
     def _forward_with_vjp(self, *arrays: jax.Array) -> list[jax.Array]:
         self.owner._count_trace()
         outputs, vjp = jax.vjp(
-            functools.partial(self._with_diff, arrays), *(arrays[i] for i in self.diff)
+            functools.partial(self._with, self.diff, arrays), *(arrays[i] for i in self.diff)
         )
         if (
             len(outputs) == 1
@@ -480,7 +475,7 @@ class _Entry:
 
     def _vjp(self, arrays: list[jax.Array], float_cotangents: list[jax.Array]) -> list[jax.Array]:
         _, vjp = jax.vjp(
-            functools.partial(self._with_diff, arrays), *(arrays[i] for i in self.diff)
+            functools.partial(self._with, self.diff, arrays), *(arrays[i] for i in self.diff)
         )
         return list(vjp(self._cotangents(float_cotangents)))
 
@@ -566,7 +561,7 @@ class _Entry:
         """Tangents of the outputs (None for non-float ones) given tangents of the inputs."""
         positions = tuple(
             i
-            for i, (t, p) in enumerate(zip(tangents, primals, strict=True))
+            for i, t in enumerate(tangents)
             if t is not None and _avals.is_differentiable(self.in_avals[i][1])
         )
         given = [tangents[i].to(primals[i].dtype) for i in positions]
@@ -580,12 +575,7 @@ class _Entry:
     def _jvp(
         self, arrays: list[jax.Array], tangents: list[jax.Array], positions: tuple[int, ...]
     ) -> list[jax.Array]:
-        def outputs(*varied: jax.Array) -> list[jax.Array]:
-            full = list(arrays)
-            for i, array in zip(positions, varied, strict=True):
-                full[i] = array
-            return self._outputs(full)
-
+        outputs = functools.partial(self._with, positions, arrays)
         _, out_tangents = jax.jvp(outputs, [arrays[i] for i in positions], tangents)
         return [out_tangents[i] for i in self.float_outputs]
 
@@ -601,9 +591,14 @@ class _Entry:
 class _Call:
     """One differentiable call: its entry, inputs, and what backward needs from forward."""
 
-    __slots__ = ("entry", "saved", "tensors", "versions")
+    __slots__ = ("entry", "forward_mode", "saved", "tensors", "versions")
 
-    def __init__(self, entry: _Entry, tensors: list[torch.Tensor]) -> None:
+    def __init__(
+        self, entry: _Entry, tensors: list[torch.Tensor], *, forward_mode: bool = False
+    ) -> None:
+        # Only the Python apply (torch.func, forward-mode AD) may need primals for jvp: saving
+        # them costs every other differentiable call a little.
+        self.forward_mode = forward_mode
         self.entry = entry
         self.tensors = tensors
         self.versions = [t._version for t in tensors]
@@ -637,7 +632,8 @@ class _JaxCall(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         call = inputs[0]
         ctx.call = call
-        ctx.save_for_forward(*inputs[1:])
+        if call.forward_mode:
+            ctx.save_for_forward(*inputs[1:])
         if call.entry.non_diff_outputs:
             ctx.mark_non_differentiable(*(output[i] for i in call.entry.non_diff_outputs))
 
@@ -688,7 +684,7 @@ def _check_tensor(owner: TorchFunction, tensor: torch.Tensor, where: str) -> Non
             f"shape {tuple(tensor.shape)}; JAX takes dense (strided) tensors only. Convert it "
             "with .to_dense() first, or pass its parts (indices and values) as dense tensors."
         )
-    if type(tensor) is not torch.Tensor and _compat.dispatches_to_python(tensor):
+    if _compat.dispatches_to_python(tensor):
         raise TypeError(
             f"{owner!r}: {where} is a {type(tensor).__qualname__}, a tensor subclass with "
             "__torch_dispatch__: its ops run Python code and its memory need not hold its "

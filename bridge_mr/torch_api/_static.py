@@ -40,7 +40,11 @@ def static_key(value: Any) -> Any:
     """
     if isinstance(value, FUNCTION_TYPES):
         return function_key(value)
-    kind = type(value)
+    return _typed(value, type(value))
+
+
+def _typed(value: Any, kind: type) -> tuple[Any, ...]:
+    """`value` with its type; floats by their bits (-0.0 is not 0.0, a NaN equals itself)."""
     if kind is float:
         return (float, value.hex())
     if kind is complex:
@@ -159,12 +163,10 @@ def _value(value: Any, what: tuple[Any, ...], stack: set[int]) -> Any:
     kind = type(value)
     if kind in _EXACT_HASHABLE:
         return (kind, value)
-    if kind is float:
-        return (float, value.hex())  # Unlike ==, tells -0.0 from 0.0 and NaN from itself.
+    if kind is float or kind is complex:
+        return _typed(value, kind)
     if kind is types.ModuleType or kind is types.FunctionType:
         return _Identity(value) if kind is types.ModuleType else _function_parts(value, stack)
-    if kind is complex:
-        return (complex, value.real.hex(), value.imag.hex())
     if isinstance(value, _HASHABLE_VALUES):
         return (kind, value)
     if isinstance(value, FUNCTION_TYPES):

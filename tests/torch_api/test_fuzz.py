@@ -86,6 +86,20 @@ def _fuzz_settings(max_examples: int) -> Callable[[Any], Any]:
     return settings(max_examples=max_examples, deadline=None, database=None, derandomize=False)
 
 
+def _fuzz(
+    run_case: Callable[[Case, Mode], None], mode: Mode, examples: int, seed_value: int
+) -> None:
+    """Runs `run_case` on `examples` generated cases, reproducibly from `seed_value`."""
+
+    @seed(seed_value)
+    @_fuzz_settings(examples)
+    @given(case=cases())
+    def run(case: Case) -> None:
+        run_case(case, mode)
+
+    run()
+
+
 # ---------------------------------------------------------------------------------------------
 # Client functions, written once over a namespace `xp` (jax.numpy or torch): the bridge runs the
 # jnp version vmapped over the clients in one XLA program, the reference the torch version in a
@@ -551,13 +565,7 @@ def _run_map_reduce(case: Case, mode: Mode) -> None:
     ("mode", "examples", "seed_value"), [("x64-f64", 50, 1), ("x32-f32", 40, 2), ("x64-f32", 16, 3)]
 )
 def test_map_reduce_equals_a_torch_loop(mode, examples, seed_value):
-    @seed(seed_value)
-    @_fuzz_settings(examples)
-    @given(case=cases())
-    def run(case):
-        _run_map_reduce(case, MODES[mode])
-
-    run()
+    _fuzz(_run_map_reduce, MODES[mode], examples, seed_value)
 
 
 def _run_primitives(case: Case, mode: Mode) -> None:
@@ -587,13 +595,7 @@ def _run_primitives(case: Case, mode: Mode) -> None:
     ("mode", "examples", "seed_value"), [("x64-f64", 12, 4), ("x32-f32", 6, 5)]
 )
 def test_torch_level_primitives_equal_a_torch_loop(mode, examples, seed_value):
-    @seed(seed_value)
-    @_fuzz_settings(examples)
-    @given(case=cases())
-    def run(case):
-        _run_primitives(case, MODES[mode])
-
-    run()
+    _fuzz(_run_primitives, MODES[mode], examples, seed_value)
 
 
 def _run_torch_function(case: Case, mode: Mode) -> None:
@@ -608,13 +610,7 @@ def _run_torch_function(case: Case, mode: Mode) -> None:
     ("mode", "examples", "seed_value"), [("x64-f64", 15, 6), ("x32-f32", 10, 7)]
 )
 def test_torch_function_of_jax_primitives_equals_a_torch_loop(mode, examples, seed_value):
-    @seed(seed_value)
-    @_fuzz_settings(examples)
-    @given(case=cases())
-    def run(case):
-        _run_torch_function(case, MODES[mode])
-
-    run()
+    _fuzz(_run_torch_function, MODES[mode], examples, seed_value)
 
 
 # ---------------------------------------------------------------------------------------------
