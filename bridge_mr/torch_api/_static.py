@@ -54,8 +54,9 @@ def _typed(value: Any, kind: type) -> tuple[Any, ...]:
 
 def function_key(fn: Any) -> Any:
     """The key of a function: by value where its captures allow, else `FunctionIdentity`."""
+    walk = _Walk()
     try:
-        return _ValueKey(_function_parts(fn, set()))
+        return _ValueKey(_function_parts(fn, walk), walk.keep)
     except _NotByValue as err:
         return FunctionIdentity(fn, err.what)
 
@@ -87,10 +88,17 @@ class FunctionIdentity:
 
 
 class _ValueKey:
-    __slots__ = ("_hash", "_parts")
+    """Parts compared with ==; objects compared by identity enter as ids, kept alive in `_keep`.
 
-    def __init__(self, parts: tuple[Any, ...]) -> None:
+    Ids hash and compare in C, where identity wrappers would run Python on every lookup; while
+    a key holds its objects, no other live object can have their ids.
+    """
+
+    __slots__ = ("_hash", "_keep", "_parts")
+
+    def __init__(self, parts: tuple[Any, ...], keep: list[Any]) -> None:
         self._parts = parts
+        self._keep = keep
         self._hash = hash(parts)
 
     def __eq__(self, other: object) -> bool:
@@ -100,19 +108,18 @@ class _ValueKey:
         return self._hash
 
 
-class _Identity:
-    """Compares by identity; keeps the object alive so that its id is not reused."""
+class _Walk:
+    """The state of one key's construction: functions being keyed, objects keyed by identity."""
 
-    __slots__ = ("value",)
+    __slots__ = ("keep", "stack")
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    def __init__(self) -> None:
+        self.stack: set[int] = set()
+        self.keep: list[Any] = []
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.value is self.value
-
-    def __hash__(self) -> int:
-        return id(self.value)
+    def ident(self, value: Any) -> int:
+        self.keep.append(value)
+        return id(value)
 
 
 class _NotByValue(Exception):
@@ -154,7 +161,7 @@ _DEFINITIONS = (
 )
 
 
-def _value(value: Any, what: tuple[Any, ...], stack: set[int]) -> Any:
+def _value(value: Any, what: tuple[Any, ...], walk: _Walk) -> Any:
     """The key of one captured value; raises _NotByValue where it cannot compare by value.
 
     `what` describes the value for the error (a format string and its arguments, formatted
@@ -166,25 +173,25 @@ def _value(value: Any, what: tuple[Any, ...], stack: set[int]) -> Any:
     if kind is float or kind is complex:
         return _typed(value, kind)
     if kind is types.ModuleType or kind is types.FunctionType:
-        return _Identity(value) if kind is types.ModuleType else _function_parts(value, stack)
+        return walk.ident(value) if kind is types.ModuleType else _function_parts(value, walk)
     if isinstance(value, _HASHABLE_VALUES):
         return (kind, value)
     if isinstance(value, FUNCTION_TYPES):
-        return _function_parts(value, stack)
+        return _function_parts(value, walk)
     if isinstance(value, (tuple, frozenset)):
-        items = (_value(v, what, stack) for v in value)
+        items = (_value(v, what, walk) for v in value)
         return (kind, frozenset(items) if isinstance(value, frozenset) else tuple(items))
     if isinstance(value, _DEFINITIONS):
-        return _Identity(value)
+        return walk.ident(value)
     if isinstance(value, np.generic):
         return (kind, value.tobytes())
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-        return _Identity(value)  # Immutable: the same array is the same value.
+        return walk.ident(value)  # Immutable: the same array is the same value.
     if isinstance(value, np.ndarray) and _read_only(value):
-        return _Identity(value)
+        return walk.ident(value)
     if _frozen_dataclass(value):
         fields = dataclasses.fields(value)
-        return (kind, tuple(_value(getattr(value, f.name), what, stack) for f in fields))
+        return (kind, tuple(_value(getattr(value, f.name), what, walk) for f in fields))
     raise _NotByValue(_with_type(what, kind))
 
 
@@ -207,51 +214,50 @@ def _read_only(array: np.ndarray) -> bool:
     return base is None or isinstance(base, bytes)
 
 
-def _function_parts(fn: Any, stack: set[int]) -> tuple[Any, ...]:
+def _function_parts(fn: Any, walk: _Walk) -> tuple[Any, ...]:
     if isinstance(fn, functools.partial):
         return (
             type(fn),
-            _value(fn.func, ("the partial's function",), stack),
-            tuple(_value(a, ("a partial argument",), stack) for a in fn.args),
+            _value(fn.func, ("the partial's function",), walk),
+            tuple(_value(a, ("a partial argument",), walk) for a in fn.args),
             tuple(
                 sorted(
-                    (k, _value(v, ("partial argument {}", k), stack))
-                    for k, v in fn.keywords.items()
+                    (k, _value(v, ("partial argument {}", k), walk)) for k, v in fn.keywords.items()
                 )
             ),
         )
     if isinstance(fn, types.MethodType):
         return (
             types.MethodType,
-            _value(fn.__func__, ("the method",), stack),
-            _value(fn.__self__, ("self of method {}", fn.__func__.__qualname__), stack),
+            _value(fn.__func__, ("the method",), walk),
+            _value(fn.__self__, ("self of method {}", fn.__func__.__qualname__), walk),
         )
     code = fn.__code__
     key = id(fn)
-    if key in stack:  # A recursive reference: its captures are being keyed already.
-        return (_Identity(code),)
-    stack.add(key)
+    if key in walk.stack:  # A recursive reference: its captures are being keyed already.
+        return (walk.ident(code),)
+    walk.stack.add(key)
     try:
         name = fn.__qualname__
         namespace = fn.__globals__
         # Identity for the code: a re-created function shares its code object, and hashing
         # one by value hashes all its bytecode. Equal code from two modules reads other globals.
-        parts: list[Any] = [_Identity(code), _Identity(namespace)]
+        parts: list[Any] = [walk.ident(code), walk.ident(namespace)]
         for g in _global_names(code):
             if g in namespace:
-                parts += (g, _value(namespace[g], ("global {!r} read by {}", g, name), stack))
+                parts += (g, _value(namespace[g], ("global {!r} read by {}", g, name), walk))
         if fn.__defaults__ is not None:
-            parts += [_value(d, ("a default of {}", name), stack) for d in fn.__defaults__]
+            parts += [_value(d, ("a default of {}", name), walk) for d in fn.__defaults__]
         if fn.__kwdefaults__ is not None:
             for k, v in sorted(fn.__kwdefaults__.items()):
-                parts += (k, _value(v, ("default {} of {}", k, name), stack))
+                parts += (k, _value(v, ("default {} of {}", k, name), walk))
         if fn.__closure__ is not None:
             parts.append(len(fn.__closure__))
             for var, cell in zip(code.co_freevars, fn.__closure__, strict=True):
-                parts.append(_cell_value(cell, ("{!r} captured by {}", var, name), stack))
+                parts.append(_cell_value(cell, ("{!r} captured by {}", var, name), walk))
         return tuple(parts)
     finally:
-        stack.discard(key)
+        walk.stack.discard(key)
 
 
 _NAMES: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
@@ -278,9 +284,9 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 _EMPTY_CELL = ("<empty cell>",)
 
 
-def _cell_value(cell: types.CellType, what: tuple[Any, ...], stack: set[int]) -> Any:
+def _cell_value(cell: types.CellType, what: tuple[Any, ...], walk: _Walk) -> Any:
     try:
         value = cell.cell_contents
     except ValueError:  # A cell whose variable is not assigned yet.
         return _EMPTY_CELL
-    return _value(value, what, stack)
+    return _value(value, what, walk)
