@@ -19,8 +19,8 @@ from typing import Any
 
 import jax
 import torch
-from jax._src.array import ArrayImpl
-from jax.sharding import SingleDeviceSharding
+
+from bridge_mr._compat import jax as _jax_compat
 
 from . import _runtime
 from ._stats import ACTIVE, record
@@ -35,7 +35,7 @@ def export_arrays(arrays: Sequence[jax.Array], *, sole_owner: bool = False) -> l
     rules are those of `to_torch`. `sole_owner=True` promises that no one will call `.delete()`
     on these array objects (the caller holds the only references, as with the fresh outputs of
     a jitted call it drops after exporting them); a single-device array is then exported
-    without taking a new handle on its buffer first, a few µs less per array. Deleting such an
+    without taking a new handle on its buffer first (less work per array). Deleting such an
     array while its tensor lives aborts the process (a jaxlib CHECK), so never pass arrays
     that user code can reach.
 
@@ -86,21 +86,20 @@ def _export_all(
     out: list[torch.Tensor] = []
     append = out.append
     cuda_streams: dict[Any, int] = {}
+    single_device = _jax_compat.single_device
     for index, array in enumerate(arrays):
         # Fast path for single-device CPU and GPU arrays; anything else (including a failure
         # here) is redone by `_export_one`, which gathers or explains.
         try:
-            if type(array) is ArrayImpl:
-                sharding = array.sharding
-                if type(sharding) is SingleDeviceSharding:
-                    device = sharding._device
-                    if device.platform == "cpu":
-                        append(to_tensor(array, None))
-                        continue
-                    stream = cuda_streams.get(device)
-                    if stream is not None:
-                        append(to_tensor(array, stream))
-                        continue
+            device = single_device(array)
+            if device is not None:
+                if device.platform == "cpu":
+                    append(to_tensor(array, None))
+                    continue
+                stream = cuda_streams.get(device)
+                if stream is not None:
+                    append(to_tensor(array, stream))
+                    continue
         except Exception:
             pass
         append(_export_one(array, name_of, index, cuda_streams))

@@ -1,12 +1,12 @@
 """torch tensors -> JAX arrays.
 
-A compact, 64-byte-aligned CPU or CUDA tensor of a supported dtype becomes a JAX array that
-shares its memory: no copy. Compact means row-major, or permuted-dense (e.g. transposed) where
-the installed jaxlib reads such tensors correctly (checked once per device type; jaxlib 0.10+
-does, jaxlib 0.7 does not). Any other supported tensor is copied once into a fresh contiguous
-buffer first, and the copy is counted (`count_conversions`). A CUDA tensor is shared with the
-JAX GPU of the same index, with JAX's reads ordered after the work queued on torch's current
-stream.
+A compact, 64-byte-aligned CPU or CUDA tensor of a supported dtype (`bridge_mr._dtypes`, the
+`dlpack` column) becomes a JAX array that shares its memory: no copy. Compact means row-major,
+or permuted-dense (e.g. transposed) where JAX's backend reads such tensors correctly (checked
+once per device type; jaxlib 0.10.2's CPU backend does). Any other supported tensor is copied
+once into a fresh contiguous buffer first, and the copy is counted (`count_conversions`). A
+CUDA tensor is shared with the JAX GPU of the same index, with JAX's reads ordered after the
+work queued on torch's current stream.
 
 Aliasing: a shared-memory JAX array is a view of the torch tensor. It is valid only while
 nobody writes to the tensor, and because JAX dispatches asynchronously, a caller that runs JAX
@@ -24,7 +24,8 @@ import jax
 import numpy as np
 import torch
 
-from bridge_mr import _compat
+from bridge_mr import _dtypes
+from bridge_mr._compat import torch as _torch_compat
 
 from . import _runtime
 from ._stats import ACTIVE, record
@@ -32,30 +33,11 @@ from ._stats import ACTIVE, record
 _WIDE = 1  # a 64-bit dtype, which needs JAX's x64 mode
 _COMPLEX = 2  # may carry torch's lazy conjugation bit
 
-#: torch dtypes that cross the boundary unchanged, with the flags above.
-DTYPE_FLAGS: dict[torch.dtype, int] = {
-    torch.bool: 0,
-    torch.uint8: 0,
-    torch.uint16: 0,
-    torch.uint32: 0,
-    torch.uint64: _WIDE,
-    torch.int8: 0,
-    torch.int16: 0,
-    torch.int32: 0,
-    torch.int64: _WIDE,
-    torch.float16: 0,
-    torch.bfloat16: 0,
-    torch.float32: 0,
-    torch.float64: _WIDE,
-    torch.complex64: _COMPLEX,
-    torch.complex128: _WIDE | _COMPLEX,
-}
-
-_NARROW: dict[torch.dtype, torch.dtype] = {
-    torch.uint64: torch.uint32,
-    torch.int64: torch.int32,
-    torch.float64: torch.float32,
-    torch.complex128: torch.complex64,
+#: torch dtypes that cross by DLPack unchanged (`bridge_mr._dtypes`), with the flags above.
+_FLAGS: dict[torch.dtype, int] = {
+    dtype: (_WIDE if info.needs_x64 else 0) | (_COMPLEX if info.is_complex else 0)
+    for dtype, info in _dtypes.DTYPES.items()
+    if info.dlpack
 }
 
 #: Start-address alignment needed to share a buffer. JAX's CPU backend aliases only 64-byte
@@ -87,7 +69,7 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
     Each tensor becomes an array of the same shape and dtype on the matching JAX device
     (CPU -> the first JAX CPU device, `cuda:i` -> the JAX GPU with local id i). Tensors that
     require grad are detached. The result shares memory with the tensor when the tensor is
-    compact (contiguous, or a permutation of contiguous on jaxlib 0.10+) and its start is
+    compact (contiguous, or a permutation of contiguous) and its start is
     64-byte aligned; otherwise the tensor is copied once and the copy is counted
     (`count_conversions`). See the module docstring for how long a shared-memory array stays
     valid.
@@ -152,22 +134,8 @@ def jit_arguments(tensors: Sequence[torch.Tensor]) -> list[jax.Array | np.ndarra
     return out
 
 
-#: torch dtypes of the same name in numpy (bfloat16 and the wide unsigned ints are not).
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
+#: torch dtypes whose tensors `Tensor.numpy()` views (numpy has them; bfloat16 it has not).
+_NUMPY_DTYPES = frozenset(d for d in _FLAGS if _dtypes.DTYPES[d].numpy)
 
 
 def _numpy_goes_to_cpu() -> bool:
@@ -211,7 +179,7 @@ def _import_all(
         # error that names the tensor.
         try:
             on_cpu = tensor.is_cpu
-            if to_array is not None and (on_cpu or tensor.is_cuda) and _shareable_as_is(tensor):
+            if (on_cpu or tensor.is_cuda) and _shareable_as_is(tensor):
                 if tensor.requires_grad:
                     # Without this the capsule would keep the autograd graph alive.
                     tensor = tensor.detach()
@@ -241,9 +209,9 @@ def _shareable_as_is(tensor: torch.Tensor) -> bool:
     JAX's x64 mode is off, and its memory holds its values (not a `__torch_dispatch__`
     subclass). Raises KeyError for a dtype JAX does not support.
     """
-    flags = DTYPE_FLAGS[tensor.dtype]
+    flags = _FLAGS[tensor.dtype]
     return (
-        not _compat.dispatches_to_python(tensor)
+        not _torch_compat.dispatches_to_python(tensor)
         and tensor.layout is _STRIDED
         and tensor.is_contiguous()
         and not tensor.data_ptr() % ALIGNMENT
@@ -263,16 +231,10 @@ def _import_one(
     device_type = _check_supported(tensor, name_of, index)
     dtype = tensor.dtype
     target = dtype
-    if DTYPE_FLAGS[dtype] & _WIDE and not _runtime.x64_enabled():
+    if _FLAGS[dtype] & _WIDE and not _runtime.x64_enabled():
         if not allow_x64_downcast:
-            raise TypeError(
-                f"{name_of(index)}: expected a 32-bit tensor while JAX's 64-bit mode is off, got "
-                f"a {dtype} tensor; bridge_mr never downcasts silently. Fix: enable x64 "
-                f'with jax.config.update("jax_enable_x64", True) at startup, pass '
-                f"allow_x64_downcast=True to convert to {_NARROW[dtype]} (one copy), or cast "
-                f"the tensor yourself with .to({_NARROW[dtype]})."
-            )
-        target = _NARROW[dtype]
+            raise _dtypes.x64_error(name_of(index), dtype, downcast_option="allow_x64_downcast")
+        target = _dtypes.DTYPES[dtype].narrow
     copied = (
         target != dtype
         or tensor.is_conj()
@@ -304,9 +266,9 @@ def _permuted_layouts_ok(device: torch.device) -> bool:
 def _probe_permuted_layouts(device: torch.device) -> bool:
     """Whether a transposed tensor shared with JAX on `device` reads back correctly.
 
-    jaxlib 0.10+ keeps the permutation as the array's layout. jaxlib 0.7 accepts the tensor but
-    ignores the permutation (silently wrong values); other backends may refuse it. Where it is
-    not read back correctly, permuted tensors are copied to row-major instead.
+    jaxlib 0.10.2's CPU backend keeps the permutation as the array's layout; a backend may also
+    refuse such a tensor or, as jaxlib 0.7 did, ignore the permutation (silently wrong values).
+    Where it is not read back correctly, permuted tensors are copied to row-major instead.
     """
     expected = torch.arange(6, dtype=torch.float32, device=device).reshape(2, 3)
     try:
@@ -323,8 +285,6 @@ def _wrap(
     cuda_ready: dict[int, tuple[Any, int | None]],
 ) -> jax.Array:
     """Shares a compact, aligned tensor of a supported dtype with JAX."""
-    if _runtime.capsule_to_array is None:
-        return jax.dlpack.from_dlpack(tensor)
     if device_type == "cpu":
         device, stream, dl_device_type = _runtime.jax_device("cpu", 0), None, _runtime.DL_CPU
     else:
@@ -370,7 +330,7 @@ def _check_supported(tensor: Any, name_of: Callable[[int], str], index: int) -> 
         )
     elif device_type == "meta":
         problem, fix = "a meta tensor (no data)", "materialise it, e.g. with torch.empty_like"
-    elif _compat.dispatches_to_python(tensor):
+    elif _torch_compat.dispatches_to_python(tensor):
         problem = f"a {type(tensor).__qualname__}, a tensor subclass with __torch_dispatch__"
         fix = "pass the plain tensors it holds (its memory is not its values)"
     elif tensor.is_nested:
@@ -379,9 +339,8 @@ def _check_supported(tensor: Any, name_of: Callable[[int], str], index: int) -> 
         problem, fix = f"a tensor with layout {tensor.layout}", "convert it with .to_dense()"
     elif tensor.is_quantized:
         problem, fix = f"a quantized {tensor.dtype} tensor", "convert it with .dequantize()"
-    elif tensor.dtype not in DTYPE_FLAGS:
-        problem = f"a {tensor.dtype} tensor"
-        fix = f"cast it to one of {', '.join(str(d) for d in DTYPE_FLAGS)}"
+    elif tensor.dtype not in _FLAGS:
+        raise _dtypes.unsupported_error(name_of(index), tensor.dtype)
     elif device_type not in ("cpu", "cuda"):
         problem, fix = f"a tensor on {tensor.device}", "move it with .cpu()"
     if problem is not None:

@@ -1,9 +1,9 @@
-"""The JAX and torch entry points the converters call, resolved once, plus device lookup.
+"""The JAX and torch entry points the converters call, plus device and stream lookup.
 
-The fast entry points are the jaxlib and torch functions that `jax.dlpack.from_dlpack`,
-`jax.Array.__dlpack__` and `torch.from_dlpack` themselves call; where the installed jaxlib does
-not offer them in the expected form, the public functions are used instead. Nothing here
-initialises a JAX backend at import time.
+The conversions call the jaxlib and torch functions that `jax.dlpack.from_dlpack`,
+`jax.Array.__dlpack__` and `torch.from_dlpack` themselves call, reached through
+`bridge_mr._compat` (which requires jaxlib 0.10.2 or newer). Nothing here initialises a JAX
+backend at import time.
 """
 
 from __future__ import annotations
@@ -12,141 +12,62 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.backend
 import torch
-from jax._src import xla_bridge
-from jax._src.array import ArrayImpl
 
-DL_CPU = 1  # DLDeviceType.kDLCPU
-DL_CUDA = 2  # DLDeviceType.kDLCUDA
+from bridge_mr._compat import jax as _jax_compat
+from bridge_mr._compat import jaxlib as _jaxlib
+from bridge_mr._compat import torch as _torch_compat
 
-try:
-    from jax._src.lib import _jax as _jaxlib
-except ImportError:  # jaxlib without the `_jax` extension module name
-    _jaxlib = None
+DL_CPU = _jaxlib.DL_CPU
+DL_CUDA = _jaxlib.DL_CUDA
 
-_jaxlib_to_array = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
-_jaxlib_to_capsule = getattr(_jaxlib, "buffer_to_dlpack_managed_tensor", None)
+#: Wraps a DLPack capsule as a jax.Array on a device, sharing its memory:
+#: `(capsule, device, stream, dl_device_type) -> jax.Array`.
+capsule_to_array: Callable[[Any, Any, int | None, int], jax.Array] = _jaxlib.capsule_to_array
 
-
-def _capsule_to_array_5(
-    capsule: Any, device: Any, stream: int | None, dl_device_type: int
-) -> jax.Array:
-    return _jaxlib_to_array(capsule, device, stream, None, dl_device_type)
-
-
-def _capsule_to_array_4(
-    capsule: Any, device: Any, stream: int | None, dl_device_type: int
-) -> jax.Array:
-    del dl_device_type  # This jaxlib reads it from the capsule.
-    return _jaxlib_to_array(capsule, device, stream, None)
-
-
-def _capsule_to_array_3(
-    capsule: Any, device: Any, stream: int | None, dl_device_type: int
-) -> jax.Array:
-    del dl_device_type  # This jaxlib reads it from the capsule.
-    return _jaxlib_to_array(capsule, device, stream)
-
-
-def _pick_capsule_to_array() -> Callable[[Any, Any, int | None, int], jax.Array] | None:
-    # The signature changed across jaxlib releases (jaxlib 0.7: dlpack, device, stream; later
-    # `copy`, then `dl_device_type` were added); nanobind states it in the docstring.
-    signature = getattr(_jaxlib_to_array, "__doc__", None) or ""
-    if "device: " not in signature or "stream: " not in signature:
-        return None
-    if "dl_device_type" in signature:
-        return _capsule_to_array_5
-    if "copy" in signature:
-        return _capsule_to_array_4
-    return _capsule_to_array_3
-
-
-#: Wraps a DLPack capsule as a jax.Array on `device` without copying (when the layout allows),
-#: or None where this jaxlib has no such entry point and `jax.dlpack.from_dlpack` must be used.
-capsule_to_array: Callable[[Any, Any, int | None, int], jax.Array] | None = _pick_capsule_to_array()
-
-
-def _public_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
-    del stream  # torch.from_dlpack asks JAX for the current torch stream itself.
-    return torch.utils.dlpack.from_dlpack(array)
-
-
-def _fast_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
-    # The capsule must hold a fresh handle on the buffer, not `array` itself: exporting `array`
-    # directly makes a later `array.delete()` abort the process (jaxlib 0.10 CHECK failure).
-    return tensor_from_capsule(_jaxlib_to_capsule(_fresh_handle(array), stream=stream))
-
-
-def _fast_owned_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
-    # Taking a fresh handle costs ~5 µs (jaxlib builds a sharding through Python); an array
-    # that nobody will `delete()` can be exported as it is.
-    return tensor_from_capsule(_jaxlib_to_capsule(array, stream=stream))
-
-
-_has_replicated_shard = hasattr(ArrayImpl, "_fully_replicated_shard")
-
-
-def _fresh_handle(array: Any) -> Any:
-    """A new single-device jax.Array object on the same buffer as `array`."""
-    if _has_replicated_shard:
-        return array._fully_replicated_shard()
-    return array.addressable_data(0)
-
-
+#: A DLPack capsule sharing a torch tensor's memory.
 tensor_to_capsule: Callable[[torch.Tensor], Any] = torch.utils.dlpack.to_dlpack
-tensor_from_capsule: Callable[[Any], torch.Tensor] = getattr(
-    torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack
-)
 
-#: Wraps a single-device jax.Array as a torch tensor without copying. `stream` is the torch
-#: CUDA stream that must wait for the array's producer (None on CPU).
-array_to_tensor: Callable[[jax.Array, int | None], torch.Tensor] = (
-    _public_array_to_tensor if _jaxlib_to_capsule is None else _fast_array_to_tensor
-)
+#: A torch tensor sharing a DLPack capsule's memory.
+tensor_from_capsule: Callable[[Any], torch.Tensor] = _torch_compat.tensor_from_capsule
 
-#: `array_to_tensor` for an array its caller owns alone and never deletes explicitly.
-owned_array_to_tensor: Callable[[jax.Array, int | None], torch.Tensor] = (
-    _public_array_to_tensor if _jaxlib_to_capsule is None else _fast_owned_array_to_tensor
-)
+_array_to_capsule = _jaxlib.array_to_capsule
+_fresh_handle = _jax_compat.fresh_handle
 
-try:
-    from jax._src.config import enable_x64 as _enable_x64_state
-
-    def x64_enabled() -> bool:
-        """Whether JAX 64-bit types are enabled in the current thread and context."""
-        return bool(_enable_x64_state.value)
-
-except ImportError:
-
-    def x64_enabled() -> bool:
-        """Whether JAX 64-bit types are enabled in the current thread and context."""
-        return bool(jax.config.jax_enable_x64)
+x64_enabled = _jax_compat.x64_enabled
+default_device = _jax_compat.default_device
 
 
-try:
-    from jax._src.config import default_device as _default_device_state
+def array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
+    """Wraps a single-device jax.Array as a torch tensor without copying.
 
-    def default_device() -> Any:
-        """The `jax.default_device` in effect here (a Device, a platform name, or None)."""
-        return _default_device_state.value
-
-except ImportError:
-
-    def default_device() -> Any:
-        """The `jax.default_device` in effect here (a Device, a platform name, or None)."""
-        return jax.config.jax_default_device
+    The capsule holds a fresh handle on the buffer, not `array` itself, so that a later
+    `array.delete()` stays safe. `stream` is the torch CUDA stream that must wait for the
+    array's producer (None on CPU).
+    """
+    return tensor_from_capsule(_array_to_capsule(_fresh_handle(array), stream))
 
 
-# Devices and the default platform, looked up once per set of backends: `jax.clear_backends()`
+def owned_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
+    """`array_to_tensor` for an array its caller owns alone and never deletes explicitly.
+
+    Exports `array` itself, skipping the fresh handle (which jaxlib builds through Python).
+    """
+    return tensor_from_capsule(_array_to_capsule(array, stream))
+
+
+# Devices and the default platform, looked up once per set of backends: `clear_backends()`
 # replaces the backends dict the cache was filled from.
 _cache: dict[Any, Any] = {}
 _cache_owner: list[object] = [None]
 
 
 def _current_cache() -> dict[Any, Any]:
-    if xla_bridge._backends is not _cache_owner[0]:
+    generation = _jax_compat.backends_generation()
+    if generation is not _cache_owner[0]:
         _cache.clear()
-        _cache_owner[0] = xla_bridge._backends
+        _cache_owner[0] = generation
     return _cache
 
 
@@ -175,7 +96,7 @@ def default_platform() -> str:
 
 def _lookup_device(platform: str, local_id: int) -> Any:
     try:
-        backend = xla_bridge.get_backend(platform)
+        backend = jax.extend.backend.get_backend(platform)
     except RuntimeError as err:
         if platform != "cuda":
             raise

@@ -5,6 +5,7 @@ from ._api import map_fn as map_fn
 from ._api import reduce_mean as reduce_mean
 from ._api import reduce_sum as reduce_sum
 from ._api import reduce_weighted_mean as reduce_weighted_mean
+from ._mesh import ambient_mesh as ambient_mesh
 from ._primitives import broadcast_p as broadcast_p
 from ._primitives import mean_p as mean_p
 from ._primitives import sum_p as sum_p
@@ -14,6 +15,7 @@ from ._program import program as program
 
 __all__ = [
     "Placement",
+    "ambient_mesh",
     "broadcast",
     "broadcast_p",
     "current_placement",

@@ -5,24 +5,32 @@ from __future__ import annotations
 from typing import TypeAlias
 
 import jax
-from jax._src import mesh as _mesh_internal  # legacy `with mesh:` without a DeprecationWarning
 from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from bridge_mr._compat import jax as _jax_compat
 
 from ._program import Placement
 
 AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 
-def _ambient_mesh() -> AnyMesh | None:
+def ambient_mesh() -> AnyMesh | None:
+    """The mesh the caller set for this thread, or None.
+
+    The mesh of `jax.set_mesh` (its concrete mesh, which also serves eager sharding
+    constraints, where it matches the abstract mesh in effect) or of
+    `jax.sharding.use_abstract_mesh`, else that of a legacy `with mesh:` block.
+
+    Returns:
+      A `Mesh` or `AbstractMesh`, or None when no mesh is set.
+    """
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty:
-        # The concrete mesh also serves eager (un-jitted) sharding constraints.
-        concrete = _mesh_internal.get_concrete_mesh()
-        if concrete is not None and not concrete.empty and concrete.abstract_mesh == abstract:
+        concrete = _jax_compat.concrete_mesh()
+        if concrete is not None and concrete.abstract_mesh == abstract:
             return concrete
         return abstract
-    legacy = _mesh_internal.thread_resources.env.physical_mesh
-    return None if legacy.empty else legacy
+    return _jax_compat.legacy_mesh()
 
 
 def placement_mesh(mesh: AnyMesh | None, placement: Placement, *, caller: str) -> AnyMesh | None:
@@ -36,7 +44,7 @@ def placement_mesh(mesh: AnyMesh | None, placement: Placement, *, caller: str) -
     size, since Explicit shardings are even.
     """
     if mesh is None:
-        mesh, source = _ambient_mesh(), "the mesh set with jax.set_mesh (or `with mesh:`)"
+        mesh, source = ambient_mesh(), "the mesh set with jax.set_mesh (or `with mesh:`)"
     elif isinstance(mesh, (Mesh, AbstractMesh)):
         source = f"the mesh passed as {caller}(mesh=...)"
     else:

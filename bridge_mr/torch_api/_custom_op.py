@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import torch
 
-from . import _avals
+from bridge_mr import _dtypes
+from bridge_mr._compat import torch as _torch_compat
 
 if TYPE_CHECKING:
     from ._function import TorchFunction, _Entry
@@ -70,7 +71,7 @@ def call(fn: TorchFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
                 f"argument {i} is a {type(arg).__name__}. Bind static values with "
                 "functools.partial, or use torch_function(..., compilable=False) for pytrees."
             )
-    if torch._C._are_functorch_transforms_active():
+    if _torch_compat.functorch_transforms_active():
         raise NotImplementedError(
             f"{fn!r} is compilable (a torch.library custom op), and torch.func transforms "
             "(grad, vjp, jvp, vmap, ...) do not see through it. Under torch.func, use "
@@ -133,8 +134,8 @@ def _fake(
     entry = _resolve(program, tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
 
-    def empty(avals: Sequence[_avals.Aval]) -> list[torch.Tensor]:
-        return [torch.empty(s, dtype=_avals.torch_dtype(d), device=device) for s, d in avals]
+    def empty(avals: Sequence[_dtypes.Aval]) -> list[torch.Tensor]:
+        return [torch.empty(s, dtype=_dtypes.torch_dtype(d), device=device) for s, d in avals]
 
     if program[0] == "B":
         return empty([entry.in_avals[i] for i in entry.diff]), []
@@ -174,7 +175,7 @@ def _backward(
         grad = grad_outputs[i]
         if grad is None:
             shape, dtype = entry.out_avals[i]
-            grad = torch.zeros(shape, dtype=_avals.torch_dtype(dtype), device=extras[0].device)
+            grad = torch.zeros(shape, dtype=_dtypes.torch_dtype(dtype), device=extras[0].device)
         cotangents.append(grad)
     if entry.fused:
         (scale,) = cotangents

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from bridge_mr._compat.torch import flatten_dense_tensors
+from bridge_mr._dtypes import Aval
 from bridge_mr.dlpack import export_arrays, jit_arguments
 
-from ._avals import Aval
 from ._xla_backend import call_jax_on_xla, lowering_mesh
 
 # Below this size importing a tensor (3-10 µs of Python and runtime work each) costs more than
@@ -129,10 +130,7 @@ class _DlpackRunner:
     def __call__(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
-        crossing = [
-            torch._C._nn.flatten_dense_tensors([tensors[i] for i in group])
-            for group in self._groups
-        ]
+        crossing = [flatten_dense_tensors([tensors[i] for i in group]) for group in self._groups]
         crossing += [tensors[i] for i in self._singles]
         arrays = jit_arguments(crossing)
         if self._replicated is not None:

@@ -15,10 +15,12 @@ import numpy as np
 import torch
 from jax.sharding import Mesh
 
-from bridge_mr import _compat
+from bridge_mr import _dtypes
+from bridge_mr._compat import jax as _jax_compat
+from bridge_mr._compat import torch as _torch_compat
 from bridge_mr.jax_core import current_placement
 
-from . import _avals, _custom_op
+from . import _custom_op
 from ._executor import Runner, runner_for, trace_context
 from ._static import FunctionIdentity, static_key
 
@@ -48,7 +50,7 @@ _MAX_IDENTITY_ENTRIES = 16
 # After this many traces caused by re-created functions of one code object, warn once.
 _RETRACE_WARNING_AT = 3
 _DEVICE_TYPES = ("cpu", "cuda", "xla")
-_GRAPH_BREAK_RESUMES = _compat.graph_break_resumes()
+_GRAPH_BREAK_RESUMES = _torch_compat.graph_break_resumes()
 
 # The mesh `jax.set_mesh` activates (part of the compile key); older jax has no such context.
 _ambient_mesh = getattr(jax.sharding, "get_abstract_mesh", lambda: None)
@@ -193,7 +195,7 @@ class TorchFunction:
             grad,
             current_placement(),
             _ambient_mesh(),
-            _compat.jax_trace_context(),
+            _jax_compat.trace_context(),
         )
         try:
             entry = self._entries.get(key)
@@ -202,7 +204,7 @@ class TorchFunction:
         if entry is None:
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
             entry = self._entry(key, treedef, _statics(leaves), tensors, diff)
-        if torch._C._are_functorch_transforms_active() or _compat.forward_ad_active():
+        if _torch_compat.functorch_transforms_active() or _torch_compat.forward_ad_active():
             # torch.func transforms and forward-mode AD (dual tensors) need the Python apply.
             outputs = _JaxCall.apply(_Call(entry, tensors, forward_mode=True), *tensors)
         elif entry.diff:
@@ -346,7 +348,7 @@ class _Entry:
                 _check_tensor(owner, tensor, w)
         self.device_type = tensors[0].device.type if tensors else "cpu"
         self.in_avals = [
-            (tuple(t.shape), _avals.jax_dtype(t.dtype, where=w))
+            (tuple(t.shape), _dtypes.jax_dtype(t.dtype, where=w, xla=t.device.type == "xla"))
             for t, w in zip(tensors, where, strict=True)
         ]
         self.diff = diff
@@ -358,7 +360,7 @@ class _Entry:
                     "differentiate them. Pass real and imaginary parts as two real tensors."
                 )
         self.out_def: Any = None
-        self.out_avals: tuple[_avals.Aval, ...] = ()
+        self.out_avals: tuple[_dtypes.Aval, ...] = ()
         self.fused = False
         self.res_def: Any = None
         self.res_avals: list[jax.ShapeDtypeStruct] = []
@@ -374,7 +376,7 @@ class _Entry:
         self.n_out = len(self.out_avals)
         self.out_is_leaf = self.n_out == 1 and jax.tree_util.treedef_is_leaf(self.out_def)
         self.float_outputs = tuple(
-            i for i, (_, dtype) in enumerate(self.out_avals) if _avals.is_differentiable(dtype)
+            i for i, (_, dtype) in enumerate(self.out_avals) if _dtypes.is_differentiable(dtype)
         )
         self.non_diff_outputs = tuple(
             i for i in range(self.n_out) if i not in frozenset(self.float_outputs)
@@ -414,7 +416,7 @@ class _Entry:
                 )
         out_avals = tuple((tuple(leaf.shape), np.dtype(leaf.dtype)) for _, leaf in path_leaves)
         for _, dtype in out_avals:
-            _avals.torch_dtype(dtype)  # Raises for a dtype torch does not have.
+            _dtypes.torch_dtype(dtype)  # Raises for a dtype torch does not have.
         if self.out_def is not None and (out_def, out_avals) != (self.out_def, self.out_avals):
             raise ValueError(
                 f"{self.owner!r}: the output tree changed between two traces of the same call "
@@ -446,7 +448,7 @@ class _Entry:
         if (
             len(outputs) == 1
             and outputs[0].shape == ()
-            and _avals.is_differentiable(outputs[0].dtype)
+            and _dtypes.is_differentiable(outputs[0].dtype)
         ):
             # A scalar's VJP is linear in its one cotangent: computing the gradient now and
             # scaling it in backward is exact and keeps no residuals.
@@ -514,11 +516,11 @@ class _Entry:
                     )
         return self._backward
 
-    def cotangent_avals(self) -> list[_avals.Aval]:
+    def cotangent_avals(self) -> list[_dtypes.Aval]:
         """Shapes and dtypes of the cotangents backward takes (one per float output)."""
         return [self.out_avals[i] for i in self.float_outputs]
 
-    def extra_avals(self) -> list[_avals.Aval]:
+    def extra_avals(self) -> list[_dtypes.Aval]:
         """Shapes and dtypes of what forward computes for backward: gradients or residuals."""
         if self.fused:
             return [self.in_avals[i] for i in self.diff]
@@ -562,7 +564,7 @@ class _Entry:
         positions = tuple(
             i
             for i, t in enumerate(tangents)
-            if t is not None and _avals.is_differentiable(self.in_avals[i][1])
+            if t is not None and _dtypes.is_differentiable(self.in_avals[i][1])
         )
         given = [tangents[i].to(primals[i].dtype) for i in positions]
         if self._jvp_function is None:
@@ -656,9 +658,8 @@ class _JaxCall(torch.autograd.Function):
         )
 
 
-# Function.apply binds its arguments with inspect.signature on every call (tens of µs); with no
-# functorch transform active it then calls this C++ apply, which we call directly.
-_apply = super(torch.autograd.Function, _JaxCall).apply
+# `_JaxCall.apply` through torch's C++ apply, without Python Function.apply's argument binding.
+_apply = _torch_compat.autograd_apply(_JaxCall)
 
 
 def _statics(leaves: list[Any]) -> list[Any]:
@@ -684,7 +685,7 @@ def _check_tensor(owner: TorchFunction, tensor: torch.Tensor, where: str) -> Non
             f"shape {tuple(tensor.shape)}; JAX takes dense (strided) tensors only. Convert it "
             "with .to_dense() first, or pass its parts (indices and values) as dense tensors."
         )
-    if _compat.dispatches_to_python(tensor):
+    if _torch_compat.dispatches_to_python(tensor):
         raise TypeError(
             f"{owner!r}: {where} is a {type(tensor).__qualname__}, a tensor subclass with "
             "__torch_dispatch__: its ops run Python code and its memory need not hold its "

@@ -22,41 +22,21 @@ import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.extend.core
-import jax.numpy as jnp
 import torch
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bridge_mr.jax_core._mesh import _ambient_mesh
+from bridge_mr import _dtypes
+from bridge_mr._compat import jax as _jax_compat
+from bridge_mr._compat.torch_xla import INSTALL_HINT as INSTALL_HINT
+from bridge_mr._compat.torch_xla import import_torch_xla as _import_torch_xla
+from bridge_mr.jax_core import ambient_mesh as _ambient_mesh
 
 __all__ = ["call_jax_on_xla", "is_xla_tensor", "lowering_mesh", "torch_xla_global_mesh"]
-
-INSTALL_HINT = "pip install torch==2.9.0 torch_xla==2.9.0"
-
-# Every dtype a torch-xla 2.9 tensor can hold (the others fail at `.to("xla")` already).
-_TORCH_TO_JAX_DTYPE: dict[torch.dtype, Any] = {
-    torch.bool: jnp.bool_,
-    torch.uint8: jnp.uint8,
-    torch.uint16: jnp.uint16,
-    torch.uint32: jnp.uint32,
-    torch.uint64: jnp.uint64,
-    torch.int8: jnp.int8,
-    torch.int16: jnp.int16,
-    torch.int32: jnp.int32,
-    torch.int64: jnp.int64,
-    torch.float8_e4m3fn: jnp.float8_e4m3fn,
-    torch.float8_e5m2: jnp.float8_e5m2,
-    torch.float16: jnp.float16,
-    torch.bfloat16: jnp.bfloat16,
-    torch.float32: jnp.float32,
-    torch.float64: jnp.float64,
-    torch.complex64: jnp.complex64,
-    torch.complex128: jnp.complex128,
-}
 
 # jax_fn -> {(input signature, jax_enable_x64, caller's JAX mesh, lowering mesh): embedded
 # computation}. Weak in jax_fn so that functions (and what they close over) can be freed.
@@ -181,29 +161,25 @@ def _embed(
 ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """Lowers `jax_fn` for `signature` (under `mesh` if given); torch-xla's callable for it."""
     torch_xla = _import_torch_xla()
-    avals = [jax.ShapeDtypeStruct(shape, _TORCH_TO_JAX_DTYPE[dtype]) for shape, dtype in signature]
+    avals = [
+        jax.ShapeDtypeStruct(shape, _dtypes.jax_dtype(dtype, where=f"tensors[{i}]", xla=True))
+        for i, (shape, dtype) in enumerate(signature)
+    ]
     # Lowering starts JAX's backends: torch-xla's runtime must hold the device (TPU) first, and
     # jax_env_context is call_jax's guard against JAX's MegaScale client hanging next to it.
     torch_xla.workarounds.jax_import_guard()
     # torch-xla 2.9 partitions with GSPMD and reads GSPMD shardings from the HLO, as its own
-    # call_jax does; the flag is restored afterwards so that the user's JAX code is unaffected.
-    shardy = jax.config.jax_use_shardy_partitioner
-    with torch_xla.workarounds.jax_env_context(), _lowering_mesh(mesh):
-        try:
-            jax.config.update("jax_use_shardy_partitioner", False)
-            traced = jax.jit(jax_fn, keep_unused=True).trace(*avals)
-            _check_shardings(traced.jaxpr.jaxpr, torch_xla.runtime)
-            lowered = traced.lower()
-            hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
-        finally:
-            jax.config.update("jax_use_shardy_partitioner", shardy)
-    for index, (aval, lowered_aval) in enumerate(zip(avals, lowered.in_avals[0], strict=True)):
-        if lowered_aval.dtype != aval.dtype:
-            raise TypeError(
-                f"tensors[{index}] has dtype {signature[index][1]}, but JAX lowers it as "
-                f"{lowered_aval.dtype} because jax_enable_x64 is off; enable it with "
-                f"`jax.config.update('jax_enable_x64', True)` or pass a 32-bit tensor."
-            )
+    # call_jax does; Shardy is turned off for this thread only, so the user's JAX code is
+    # unaffected.
+    with (
+        torch_xla.workarounds.jax_env_context(),
+        _lowering_mesh(mesh),
+        _jax_compat.shardy_partitioner(False),
+    ):
+        traced = jax.jit(jax_fn, keep_unused=True).trace(*avals)
+        _check_shardings(traced.jaxpr.jaxpr, torch_xla.runtime)
+        lowered = traced.lower()
+        hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
     leaves = jax.tree.leaves(lowered.out_info)
     if lowered.out_tree not in (jax.tree.structure(tuple(leaves)), jax.tree.structure(leaves)):
         raise TypeError(
@@ -296,33 +272,3 @@ def _check_shardings(jaxpr: jax.extend.core.Jaxpr, runtime: Any) -> None:
                 f"whose axis sizes multiply to {devices}, e.g. "
                 f"{_auto_mesh_code((devices,), mesh.axis_names[:1])}."
             )
-
-
-class _TorchXla(NamedTuple):
-    """The torch_xla modules the backend uses."""
-
-    builder: Any
-    workarounds: Any
-    runtime: Any
-    spmd: Any
-
-
-_TORCH_XLA: _TorchXla | None = None  # set by the first successful import
-
-
-def _import_torch_xla() -> _TorchXla:
-    global _TORCH_XLA
-    if _TORCH_XLA is not None:
-        return _TORCH_XLA
-    try:
-        import torch_xla._internal.jax_workarounds as workarounds
-        import torch_xla.core.xla_builder as builder
-        import torch_xla.distributed.spmd as spmd
-        import torch_xla.runtime as runtime
-    except ImportError as error:
-        raise ImportError(
-            f"bridge_mr's torch-xla backend needs torch_xla, which is not importable ({error}). "
-            f"Install it with `{INSTALL_HINT}` (torch_xla 2.9.0 requires torch 2.9.0 exactly)."
-        ) from error
-    _TORCH_XLA = _TorchXla(builder, workarounds, runtime, spmd)
-    return _TORCH_XLA

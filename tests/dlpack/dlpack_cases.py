@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import pytest
 import torch
 
 DTYPES: tuple[torch.dtype, ...] = (
@@ -27,20 +27,20 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.complex64,
     torch.complex128,
 )
+#: The dtypes that need JAX's 64-bit mode.
 WIDE_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.int64, torch.uint64, torch.complex128)
 
-#: Measured: jaxlib 0.10 and 0.11 share permuted-dense (transposed) tensors correctly on CPU and
-#: GPU; jaxlib 0.7 accepts them but ignores the permutation, so bridge_mr copies them there.
-PERMUTED_ZERO_COPY = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10)
+
+def dtype_params(dtypes: Sequence[torch.dtype] = DTYPES) -> list[Any]:
+    """`dtypes` as pytest parameters, the 64-bit ones marked `x64` (they run in the x64 leg)."""
+    return [pytest.param(d, marks=pytest.mark.x64) if d in WIDE_DTYPES else d for d in dtypes]
 
 
-def x64_disabled() -> contextlib.AbstractContextManager[Any]:
-    """A context in which JAX's 64-bit mode is off (for this thread)."""
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(False)
-    from jax.experimental import disable_x64  # jax < 0.8
-
-    return disable_x64()
+def dtypes_for_this_mode() -> tuple[torch.dtype, ...]:
+    """Every dtype while JAX's 64-bit mode is on; without the 64-bit ones while it is off."""
+    if jax.config.jax_enable_x64:
+        return DTYPES
+    return tuple(d for d in DTYPES if d not in WIDE_DTYPES)
 
 
 def values(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -68,7 +68,8 @@ class Layout:
 
     @property
     def zero_copy(self) -> bool:
-        return self.compact_and_aligned and (PERMUTED_ZERO_COPY or not self.permuted)
+        """Whether the import shares memory (permuted-dense layouts too, on jaxlib >= 0.10.2)."""
+        return self.compact_and_aligned
 
 
 LAYOUTS: tuple[Layout, ...] = (

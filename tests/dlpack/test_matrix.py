@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from dlpack_cases import DTYPES, LAYOUTS, Layout
+from dlpack_cases import LAYOUTS, Layout, dtype_params
 from helpers import assert_trees_all_close
 
 from bridge_mr import dlpack
@@ -22,7 +22,7 @@ def _assert_same(array: jax.Array, tensor: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_jax_dtype_name)
+@pytest.mark.parametrize("dtype", dtype_params(), ids=_jax_dtype_name)
 def test_import(dtype: torch.dtype, layout: Layout) -> None:
     tensor = layout.make(dtype)
     with dlpack.count_conversions() as stats:
@@ -41,7 +41,7 @@ def test_import(dtype: torch.dtype, layout: Layout) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_jax_dtype_name)
+@pytest.mark.parametrize("dtype", dtype_params(), ids=_jax_dtype_name)
 def test_export_round_trip(dtype: torch.dtype, layout: Layout) -> None:
     tensor = layout.make(dtype)
     (array,) = dlpack.import_tensors([tensor])
@@ -55,7 +55,7 @@ def test_export_round_trip(dtype: torch.dtype, layout: Layout) -> None:
 
 
 @pytest.mark.parametrize("shape", [(3, 4), (), (0, 3)], ids=["matrix", "zero_d", "empty"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_jax_dtype_name)
+@pytest.mark.parametrize("dtype", dtype_params(), ids=_jax_dtype_name)
 def test_export_jit_output(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     expected = np.asarray(dlpack.to_jax(torch.zeros(shape, dtype=dtype)))
     expected = expected if dtype == torch.bool else expected + expected.dtype.type(3)

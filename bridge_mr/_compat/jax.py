@@ -1,0 +1,137 @@
+"""Private names of jax that bridge_mr relies on, each behind one accessor.
+
+Checked on jax 0.10.2 (the version CI pins, in both test environments). Imports jax only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+from jax._src import config as _config
+from jax._src import mesh as _mesh
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.array import ArrayImpl as ArrayImpl
+from jax._src.export.shape_poly import _DimExpr as DimExpr
+from jax.sharding import Mesh, SingleDeviceSharding
+
+__all__ = [
+    "ArrayImpl",
+    "DimExpr",
+    "backends_generation",
+    "concrete_mesh",
+    "default_device",
+    "fresh_handle",
+    "legacy_mesh",
+    "shardy_partitioner",
+    "single_device",
+    "trace_context",
+    "x64_enabled",
+]
+
+#: `ArrayImpl` (imported above) is the class of every concrete `jax.Array` (`jax.Array` itself is
+#: an abstract base that tracers also claim); `type(x) is ArrayImpl` is the cheap exact test.
+#: `jax._src.array.ArrayImpl`; jax 0.10.2.
+#:
+#: `DimExpr` is the class of `jax.export` symbolic dimensions (`jax.export.symbolic_shape("n")`),
+#: which jax types as `Any` in its public signatures. `jax._src.export.shape_poly._DimExpr`;
+#: jax 0.10.2.
+
+_X64 = _config.enable_x64
+_DEFAULT_DEVICE = _config.default_device
+
+
+def trace_context() -> Hashable:
+    """What of JAX's configuration a trace depends on (x64, promotion, precision, mesh, ...).
+
+    `jax.jit` keys its own trace cache with this value, so a cache keyed with it never reuses a
+    trace that jit would redo after a `jax.config.update` or a config context manager.
+    `jax._src.config.trace_context`; jax 0.10.2.
+    """
+    return _config.trace_context()
+
+
+def concrete_mesh() -> Mesh | None:
+    """The concrete mesh set with `jax.set_mesh` in this thread, or None when none is set.
+
+    `jax._src.mesh.get_concrete_mesh`; jax 0.10.2.
+    """
+    mesh = _mesh.get_concrete_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def legacy_mesh() -> Mesh | None:
+    """The mesh of an enclosing legacy `with mesh:` block in this thread, or None.
+
+    Read from `jax._src.mesh.thread_resources`; its public alias
+    `jax.interpreters.pxla.thread_resources` warns (deprecated since jax 0.8.2), and no other
+    public API sees a legacy mesh. jax 0.10.2.
+    """
+    mesh = _mesh.thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+def shardy_partitioner(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """A context in which this thread lowers with (`True`) or without Shardy (GSPMD).
+
+    JAX's thread-local config context `jax._src.config.use_shardy_partitioner(enabled)`: other
+    threads keep their setting, unlike `jax.config.update("jax_use_shardy_partitioner", ...)`,
+    which is process-global. jax 0.10.2.
+
+    Args:
+      enabled: whether lowering inside the block uses the Shardy partitioner.
+
+    Returns:
+      A context manager; the previous setting is restored on exit.
+    """
+    return _config.use_shardy_partitioner(bool(enabled))
+
+
+def x64_enabled() -> bool:
+    """Whether JAX's 64-bit mode is on in the current thread and config context.
+
+    `jax._src.config.enable_x64.value` (the thread-local value that `jax.jit` also reads);
+    jax 0.10.2.
+    """
+    return bool(_X64.value)
+
+
+def default_device() -> Any:
+    """The `jax.default_device` in effect here: a Device, a platform name, or None.
+
+    `jax._src.config.default_device.value`; jax 0.10.2.
+    """
+    return _DEFAULT_DEVICE.value
+
+
+def backends_generation() -> object:
+    """An object that stays the same until `jax.extend.backend.clear_backends()` is called.
+
+    The identity of `jax._src.xla_bridge._backends`, which `clear_backends` rebinds to a new
+    dict: caches of devices compare it with `is`. jax 0.10.2.
+    """
+    return _xla_bridge._backends
+
+
+def single_device(array: Any) -> Any:
+    """The device of a committed single-device `ArrayImpl`, or None for anything else.
+
+    Reads `SingleDeviceSharding._device`, which the public `device_set` builds a set for;
+    jax 0.10.2.
+    """
+    if type(array) is ArrayImpl:
+        sharding = array.sharding
+        if type(sharding) is SingleDeviceSharding:
+            return sharding._device
+    return None
+
+
+def fresh_handle(array: jax.Array) -> jax.Array:
+    """A new single-device `jax.Array` object on the same buffer as a single-device `array`.
+
+    `ArrayImpl._fully_replicated_shard()`, which builds no Shard objects (unlike the public
+    `array.addressable_data(0)`); jax 0.10.2.
+    """
+    return array._fully_replicated_shard()  # type: ignore[attr-defined]

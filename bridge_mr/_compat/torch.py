@@ -1,0 +1,116 @@
+"""Private names of torch that bridge_mr relies on, each behind one accessor.
+
+Checked on torch 2.13.0 (the main test environment) and torch 2.9.0 (the torch-xla one).
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as _forward_ad
+from torch._C import _functorch
+
+__all__ = [
+    "autograd_apply",
+    "dispatches_to_python",
+    "flatten_dense_tensors",
+    "forward_ad_active",
+    "functorch_transforms_active",
+    "graph_break_resumes",
+    "tensor_from_capsule",
+]
+
+_Tensor = torch.Tensor
+_dispatch_keys = torch._C._dispatch_keys
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_unwrap_if_dead = _functorch.unwrap_if_dead
+
+#: `torch._C._are_functorch_transforms_active`: whether a `torch.func` transform (vmap, grad,
+#: jvp, vjp, ...) is running in this thread. torch 2.9 - 2.13.
+functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+#: `torch._C._nn.flatten_dense_tensors`: one new contiguous 1-D tensor holding the given
+#: tensors' values one after the other (what `torch.nn.utils.parameters_to_vector` does,
+#: without the per-tensor Python loop). torch 2.9 - 2.13.
+flatten_dense_tensors: Callable[[Sequence[torch.Tensor]], torch.Tensor] = (
+    torch._C._nn.flatten_dense_tensors
+)
+
+#: `torch._C._from_dlpack`: a tensor sharing a DLPack capsule's memory, without the
+#: `__dlpack__` protocol negotiation of `torch.from_dlpack`. torch 2.9 - 2.13.
+tensor_from_capsule: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
+
+
+def dispatches_to_python(tensor: torch.Tensor) -> bool:
+    """Whether a torch tensor is a `__torch_dispatch__` subclass (e.g. a wrapper subclass).
+
+    Such a tensor's ops run Python code, and its storage need not hold its values (a wrapper
+    has none): neither numpy nor DLPack may read its memory. Reads the Python dispatch key
+    with `torch._C._dispatch_keys`. torch 2.9 - 2.13.
+    """
+    if type(tensor) is _Tensor:  # The common case, without the dispatcher query.
+        return False
+    return bool(_dispatch_keys(tensor).has(_PYTHON_KEY))
+
+
+def graph_break_resumes() -> bool:
+    """Whether Dynamo resumes after `torch._dynamo.graph_break()` (torch 2.13: yes; 2.9: no).
+
+    After such a break torch 2.9 runs the rest of the frame outside Dynamo but still traces its
+    callees, so a `torch.compiler.disable`d call that follows is traced (and fails) there.
+    """
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
+def forward_ad_active() -> bool:
+    """Whether a `torch.autograd.forward_ad.dual_level` is open (dual tensors may exist).
+
+    Read from the module's private level counter `_current_level`, which `dual_level`
+    maintains. torch 2.9 - 2.13.
+    """
+    return _forward_ad._current_level >= 0
+
+
+def autograd_apply(function_cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """A faster `function_cls.apply` for calls made while no functorch transform is active.
+
+    Python's `torch.autograd.Function.apply` binds its arguments with `inspect.signature` on
+    every call (for a class with `setup_context`), then, with no functorch transform active,
+    unwraps dead functorch wrappers (tensors that escaped a finished `torch.func` transform)
+    and calls the C++ `torch._C._FunctionBase.apply`. The returned callable does the last two
+    steps only: it takes positional arguments alone, and unwraps each tensor argument with
+    `torch._C._functorch.unwrap_if_dead` (a no-op for ordinary tensors), as Python's apply
+    does. While a transform is active it calls `function_cls.apply`, which dispatches to
+    torch's `custom_function_call`. torch 2.9 - 2.13.
+
+    Args:
+      function_cls: a `torch.autograd.Function` subclass.
+
+    Returns:
+      A callable taking `function_cls.forward`'s arguments (without `ctx`), positionally.
+
+    Raises:
+      TypeError: `function_cls` is not a `torch.autograd.Function` subclass.
+    """
+    if not (isinstance(function_cls, type) and issubclass(function_cls, torch.autograd.Function)):
+        raise TypeError(
+            f"autograd_apply(function_cls) expects a torch.autograd.Function subclass, got "
+            f"{function_cls!r}. Fix: pass the class itself, e.g. autograd_apply(MyFunction)."
+        )
+    c_apply = super(torch.autograd.Function, function_cls).apply  # torch._C._FunctionBase.apply
+    python_apply = function_cls.apply
+    unwrap = _unwrap_if_dead
+    tensor = _Tensor
+    active = functorch_transforms_active
+
+    def apply(*args: Any) -> Any:
+        if active():
+            return python_apply(*args)
+        return c_apply(*[unwrap(arg) if isinstance(arg, tensor) else arg for arg in args])
+
+    apply.__doc__ = f"`{function_cls.__qualname__}.apply` through torch's C++ apply."
+    return apply
