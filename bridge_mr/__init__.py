@@ -1,40 +1,244 @@
 """bridge_mr: DrJAX-style MapReduce primitives as JAX primitives, callable from PyTorch.
 
-The five MapReduce names accept torch tensors (differentiable, through the bridge) and JAX
-values (the `bridge_mr.jax_core` functions themselves). `bridge_mr.jax_core` is the plain-JAX
-layer; `bridge_mr.dlpack` the tensor exchange.
+The five MapReduce names (`broadcast`, `map_fn`, `reduce_sum`, `reduce_mean`,
+`reduce_weighted_mean`) accept torch tensors (differentiable, through the bridge) and JAX values.
+`bridge_mr.jax_core` is the plain-JAX layer; `bridge_mr.dlpack` the tensor exchange.
+
+Importing bridge_mr does not import torch: plain-JAX programs (export tools, Beam or
+`jax.distributed` workers) never pay for it. The torch-only names (`map_reduce`,
+`torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`) and the `dlpack` and
+`torch_api` subpackages load torch on first access. The five MapReduce names run the JAX layer
+directly until torch is imported, since no torch tensor can exist before; from then on they run
+`bridge_mr.torch_api`, which accepts torch tensors and JAX values alike.
 """
 
-from . import dlpack as dlpack
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
 from . import jax_core as jax_core
+from ._flags import recommended_xla_flags as recommended_xla_flags
 from .jax_core import Placement as Placement
 from .jax_core import current_placement as current_placement
 from .jax_core import program as program
-from .torch_api import RetraceWarning as RetraceWarning
-from .torch_api import TorchFunction as TorchFunction
-from .torch_api import broadcast as broadcast
-from .torch_api import map_fn as map_fn
-from .torch_api import map_reduce as map_reduce
-from .torch_api import reduce_mean as reduce_mean
-from .torch_api import reduce_sum as reduce_sum
-from .torch_api import reduce_weighted_mean as reduce_weighted_mean
-from .torch_api import torch_function as torch_function
-from .torch_api import trace_counts as trace_counts
+
+if TYPE_CHECKING:
+    from . import dlpack as dlpack
+    from . import torch_api as torch_api
+    from .torch_api import RetraceWarning as RetraceWarning
+    from .torch_api import TorchFunction as TorchFunction
+    from .torch_api import map_reduce as map_reduce
+    from .torch_api import torch_function as torch_function
+    from .torch_api import trace_counts as trace_counts
+
+PyTree: TypeAlias = Any
+AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 __all__ = [
     "Placement",
     "RetraceWarning",
     "TorchFunction",
     "broadcast",
+    "clear_caches",
     "current_placement",
     "dlpack",
     "jax_core",
     "map_fn",
     "map_reduce",
     "program",
+    "recommended_xla_flags",
     "reduce_mean",
     "reduce_sum",
     "reduce_weighted_mean",
     "torch_function",
     "trace_counts",
 ]
+
+_TORCH_API = f"{__name__}.torch_api"
+_LAZY_TORCH_API_NAMES = frozenset(
+    {"RetraceWarning", "TorchFunction", "map_reduce", "torch_function", "trace_counts"}
+)
+_torch_api: ModuleType | None = None  # bridge_mr.torch_api once fully imported.
+
+
+def _load_torch_api() -> ModuleType:
+    """Imports bridge_mr.torch_api (and torch); returns only once the import is complete."""
+    global _torch_api
+    _torch_api = importlib.import_module(_TORCH_API)
+    return _torch_api
+
+
+def __getattr__(name: str) -> Any:
+    """Loads the torch-dependent names on first access (they import torch)."""
+    if name == "torch_api":
+        return _load_torch_api()
+    if name == "dlpack":
+        return importlib.import_module(f"{__name__}.dlpack")
+    if name in _LAZY_TORCH_API_NAMES:
+        value = getattr(_load_torch_api(), name)
+        globals()[name] = value  # Later lookups find it without calling __getattr__.
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names, the lazy ones included (listing them loads nothing)."""
+    return sorted({*__all__, "torch_api"})
+
+
+def _frontend() -> ModuleType:
+    """The module whose MapReduce functions serve the top-level names.
+
+    `bridge_mr.torch_api` once torch is imported, else `bridge_mr.jax_core`: before torch is
+    imported no torch tensor can exist, and the JAX layer is what torch_api would call anyway.
+    """
+    if _torch_api is not None:
+        return _torch_api
+    if "torch" not in sys.modules:
+        return jax_core
+    return _load_torch_api()
+
+
+def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
+    """Places every leaf of `x` at the active placement: a new leading axis of its size.
+
+    Torch tensors give torch tensors (differentiable through the bridge); JAX values give JAX
+    values (see `bridge_mr.jax_core.broadcast` for the sharding rules).
+
+    Args:
+        x: A pytree of torch tensors, or of JAX arrays (or values convertible to them).
+        mesh: The mesh to shard the placement axis over; None uses the mesh set with
+            `jax.set_mesh` (or the legacy `with mesh:`), if any.
+
+    Returns:
+        `x` with every leaf repeated along a new leading axis of the placement's size.
+
+    Raises:
+        RuntimeError: Outside any `bridge_mr.program`.
+        TypeError: A leaf is neither a tensor nor convertible to a JAX array, or `mesh` is not a
+            mesh.
+        ValueError: An Explicit placement axis of the mesh does not divide the placement size.
+
+    Example::
+
+        with bridge_mr.program(placements={"clients": 8}):
+            placed = bridge_mr.broadcast(params)  # each leaf gains a leading axis of size 8
+    """
+    return _frontend().broadcast(x, mesh=mesh)
+
+
+def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
+    """Applies the JAX function `fn` to each slice of `arg` along the placement axis.
+
+    A tuple `arg` is unpacked into positional arguments of `fn`. Torch tensors give torch
+    tensors (differentiable through the bridge); JAX values give JAX values (see
+    `bridge_mr.jax_core.map_fn`).
+
+    Args:
+        fn: A JAX function of one placement slice (several, for a tuple `arg`).
+        arg: A placed pytree (every leaf's leading axis is the placement), or a tuple of them.
+        mesh: As for `broadcast`.
+
+    Returns:
+        The placed pytree of `fn`'s results, stacked along a leading placement axis.
+
+    Raises:
+        RuntimeError: Outside any `bridge_mr.program`.
+        TypeError: `fn` is not callable, or a leaf is not an array.
+        ValueError: A leaf's leading dimension is not the placement size.
+
+    Example::
+
+        with bridge_mr.program(placements={"clients": 8}):
+            losses = bridge_mr.map_fn(client_loss, (bridge_mr.broadcast(params), batches))
+    """
+    return _frontend().map_fn(fn, arg, mesh=mesh)
+
+
+def reduce_sum(x: PyTree) -> PyTree:
+    """Sums every leaf of the placed value `x` over its leading placement axis.
+
+    Args:
+        x: A placed pytree of torch tensors or JAX arrays.
+
+    Returns:
+        The sums, leaf by leaf (same dtype; bools count in the default int dtype).
+
+    Raises:
+        RuntimeError: Outside any `bridge_mr.program`.
+        ValueError: A leaf is 0-d or its leading dimension is not the placement size.
+
+    Example::
+
+        with bridge_mr.program(placements={"clients": 8}):
+            total = bridge_mr.reduce_sum(bridge_mr.map_fn(count_examples, batches))
+    """
+    return _frontend().reduce_sum(x)
+
+
+def reduce_mean(x: PyTree) -> PyTree:
+    """Averages every leaf of the placed value `x` over its leading placement axis.
+
+    Args:
+        x: A placed pytree of torch tensors or JAX arrays.
+
+    Returns:
+        The means, leaf by leaf (integer and bool leaves give the default float dtype).
+
+    Raises:
+        RuntimeError: Outside any `bridge_mr.program`.
+        ValueError: A leaf is 0-d or its leading dimension is not the placement size.
+
+    Example::
+
+        with bridge_mr.program(placements={"clients": 8}):
+            loss = bridge_mr.reduce_mean(bridge_mr.map_fn(client_loss, placed_args))
+    """
+    return _frontend().reduce_mean(x)
+
+
+def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
+    """The weighted mean sum(x·w) / sum(w) over the placement axis, leaf by leaf.
+
+    Args:
+        x: A placed pytree of torch tensors or JAX arrays.
+        w: One placed weight array (shape [n], or broadcastable against each leaf's slices
+            from the left) used for every leaf of `x`, or a pytree with the structure of `x`.
+
+    Returns:
+        The weighted means, leaf by leaf.
+
+    Raises:
+        RuntimeError: Outside any `bridge_mr.program`.
+        ValueError: A leading dimension is not the placement size, or `w` has neither one leaf
+            nor the structure of `x`.
+
+    Example::
+
+        with bridge_mr.program(placements={"clients": 8}):
+            update = bridge_mr.reduce_weighted_mean(client_updates, num_examples)
+    """
+    return _frontend().reduce_weighted_mean(x, w)
+
+
+def clear_caches() -> None:
+    """Drops the traces and compiled programs that bridge_mr and JAX keep.
+
+    Like `jax.clear_caches` (which it calls): the torch frontend's traced functions, and with
+    them the user functions and arrays they captured, are released too (when torch_api has been
+    loaded). Later calls trace and compile again.
+
+    Example::
+
+        bridge_mr.clear_caches()  # e.g. between experiments in one long-lived process
+    """
+    if _TORCH_API in sys.modules:
+        _load_torch_api().clear_caches()
+    jax.clear_caches()

@@ -65,6 +65,24 @@ def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
     and the other dimensions again keep the input's sharding. A mesh may mix Auto and Explicit
     axes: the placement axis's type decides whether placed values are typed sharded (Explicit)
     or only constrained for the partitioner (Auto).
+
+    Args:
+        x: A pytree of JAX arrays (or values convertible to them).
+        mesh: The mesh to shard the placement axis over; None uses the mesh set with
+            `jax.set_mesh` (or the legacy `with mesh:`), if any.
+
+    Returns:
+        `x` with every leaf repeated along a new leading axis of the placement's size.
+
+    Raises:
+        RuntimeError: Outside any `program`.
+        TypeError: A leaf is not convertible to a JAX array, or `mesh` is not a mesh.
+        ValueError: An Explicit placement axis of the mesh does not divide the placement size.
+
+    Example::
+
+        with program(placements={"clients": 8}):
+            placed = broadcast({"w": jnp.ones((3, 2))})  # {"w": f32[8, 3, 2]}
     """
     placement = require_placement("broadcast")
     mesh = placement_mesh(mesh, placement, caller="broadcast")
@@ -97,14 +115,43 @@ def _constrain_placed(x: jax.Array, mesh: AnyMesh, placement: str) -> jax.Array:
 
 
 def reduce_sum(x: PyTree) -> PyTree:
-    """Sums every leaf of the placed value `x` over its leading placement axis."""
+    """Sums every leaf of the placed value `x` over its leading placement axis.
+
+    Args:
+        x: A placed pytree: every leaf's leading dimension is the placement size.
+
+    Returns:
+        The sums, leaf by leaf, in the leaf's dtype (bools count in the default int dtype).
+
+    Raises:
+        RuntimeError: Outside any `program`.
+        ValueError: A leaf is 0-d or its leading dimension is not the placement size.
+
+    Example::
+
+        with program(placements={"clients": 3}):
+            reduce_sum(jnp.arange(6.0).reshape(3, 2))  # [6., 9.]
+    """
     return _reduce(_primitives.placed_sum, x, "reduce_sum")
 
 
 def reduce_mean(x: PyTree) -> PyTree:
     """Averages every leaf of the placed value `x` over its leading placement axis.
 
-    Integer and bool leaves give the default float dtype.
+    Args:
+        x: A placed pytree: every leaf's leading dimension is the placement size.
+
+    Returns:
+        The means, leaf by leaf. Integer and bool leaves give the default float dtype.
+
+    Raises:
+        RuntimeError: Outside any `program`.
+        ValueError: A leaf is 0-d or its leading dimension is not the placement size.
+
+    Example::
+
+        with program(placements={"clients": 3}):
+            reduce_mean(jnp.arange(6.0).reshape(3, 2))  # [2., 3.]
     """
     return _reduce(_primitives.placed_mean, x, "reduce_mean")
 
@@ -123,8 +170,25 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
     """The weighted mean sum(x·w) / sum(w) over the placement axis, leaf by leaf.
 
     x·w is an elementwise product aligned from the left (what drjax computes with a `map_fn`,
-    without the vmap). `w` is either one placed array (shape [n], or broadcastable against
-    each leaf's slices) used for every leaf of `x`, or a pytree with the structure of `x`.
+    without the vmap).
+
+    Args:
+        x: A placed pytree: every leaf's leading dimension is the placement size.
+        w: One placed array (shape [n], or broadcastable against each leaf's slices from the
+            left) used for every leaf of `x`, or a placed pytree with the structure of `x`.
+
+    Returns:
+        The weighted means, leaf by leaf.
+
+    Raises:
+        RuntimeError: Outside any `program`.
+        ValueError: A leading dimension is not the placement size, `w` has neither one leaf
+            nor the structure of `x`, or a weight slice has more dimensions than its value's.
+
+    Example::
+
+        with program(placements={"clients": 2}):
+            reduce_weighted_mean(jnp.asarray([1.0, 4.0]), jnp.asarray([3.0, 1.0]))  # 1.75
     """
     placement = require_placement("reduce_weighted_mean")
     # The sums' mesh errors then name reduce_weighted_mean.
@@ -188,6 +252,26 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
     With a mesh that has the placement axis, inputs and outputs are sharded along it and
     shardings inside `fn` (constraints, `shard_map`, model-parallel layouts) are kept: `fn` is
     vmapped with the placement as its SPMD axis.
+
+    Args:
+        fn: A function of one placement slice (of several, for a tuple `arg`).
+        arg: A placed pytree, or a tuple of them (unpacked into `fn`'s positional arguments).
+        mesh: As for `broadcast`.
+
+    Returns:
+        `fn`'s results for every slice, stacked along a leading placement axis.
+
+    Raises:
+        RuntimeError: Outside any `program`.
+        TypeError: `fn` is not callable, a leaf is not convertible to a JAX array, or `mesh`
+            is not a mesh.
+        ValueError: A leaf's leading dimension is not the placement size, or an Explicit
+            placement axis of the mesh does not divide it.
+
+    Example::
+
+        with program(placements={"clients": 3}):
+            norms = map_fn(jnp.linalg.norm, jnp.ones((3, 4)))  # [2., 2., 2.]
     """
     placement = require_placement("map_fn")
     if not callable(fn):

@@ -58,7 +58,16 @@ def placement_mesh(mesh: AnyMesh | None, placement: Placement, *, caller: str) -
     if kind == AxisType.Manual:
         return None
     axis_size = mesh.shape[placement.name]
-    if kind == AxisType.Explicit and placement.size % axis_size:
+    remainder = placement.size % axis_size
+    if kind == AxisType.Explicit and jax.export.is_symbolic_dim(remainder):
+        raise ValueError(
+            f"bridge_mr.{caller}: placement {placement.name!r} has the symbolic size "
+            f"{placement.size}, which the Explicit axis {placement.name!r} of size {axis_size} of "
+            f"{source} may not divide, and Explicit shardings must be even. Write the size as a "
+            f'multiple (jax.export.symbolic_shape("{axis_size}*k")) or make that axis Auto '
+            "(axis_types=(jax.sharding.AxisType.Auto, ...)), which allows uneven sharding."
+        )
+    if kind == AxisType.Explicit and remainder:
         raise ValueError(
             f"bridge_mr.{caller}: placement {placement.name!r} has size {placement.size}, which "
             f"the Explicit axis {placement.name!r} of size {axis_size} of {source} does not "

@@ -1,6 +1,7 @@
 """The three placement primitives: `placed_broadcast`, `placed_sum` and `placed_mean`.
 
-Each takes static params `placement` (axis name), `size` (number of placed values) and `mesh`
+Each takes static params `placement` (axis name), `size` (number of placed values: an int, or a
+`jax.export` symbolic dimension, which shapes, lowering and transposes carry through) and `mesh`
 (a mesh whose Explicit `placement` axis types the placed values, else None). Auto meshes need no
 param: the API adds sharding constraints around the primitives, where `jit` sees them. All three are
 linear: their JVP applies the primitive to the tangent, and the transposes pair them up
@@ -11,7 +12,7 @@ from them are again programs of these primitives.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._mesh import AnyMesh, abstract, axis_type
+from ._program import Size
 
 
-def _is_explicit(mesh: AnyMesh | None, placement: str) -> bool:
+def _is_explicit(mesh: AnyMesh | None, placement: str) -> TypeGuard[AnyMesh]:
+    """Whether `mesh` is a mesh whose `placement` axis is Explicit."""
     return mesh is not None and axis_type(mesh, placement) == AxisType.Explicit
 
 
@@ -42,7 +45,7 @@ def mean_dtype(dtype: np.dtype) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(np.float64)
 
 
-def _check_placed_aval(x: Any, placement: str, size: int, name: str) -> None:
+def _check_placed_aval(x: Any, placement: str, size: Size, name: str) -> None:
     if x.ndim == 0 or x.shape[0] != size:
         raise ValueError(
             f"{name} reduces over the leading {placement!r} axis of size {size}; got a value of "
@@ -56,12 +59,12 @@ broadcast_p = jex_core.Primitive("placed_broadcast")
 broadcast_p.def_impl(functools.partial(xla.apply_primitive, broadcast_p))
 
 
-def placed_broadcast(x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+def placed_broadcast(x: jax.Array, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
     """Binds `placed_broadcast`: `x` repeated `size` times along a new leading axis."""
     return broadcast_p.bind(x, placement=placement, size=size, mesh=mesh)
 
 
-def _broadcast_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+def _broadcast_abstract_eval(x: Any, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
     spec = x.sharding.spec
     if _is_explicit(mesh, placement):
         sharding = NamedSharding(abstract(mesh), P(placement, *spec))
@@ -74,7 +77,7 @@ broadcast_p.def_abstract_eval(_broadcast_abstract_eval)
 
 
 def _broadcast_lowering_fn(
-    x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None
+    x: jax.Array, *, placement: str, size: Size, mesh: AnyMesh | None
 ) -> jax.Array:
     shape = (size, *x.shape)
     if _is_explicit(mesh, placement):
@@ -86,7 +89,7 @@ def _broadcast_lowering_fn(
 mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_lowering_fn, multiple_results=False))
 
 
-def _broadcast_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
+def _broadcast_transpose(ct: Any, x: Any, *, placement: str, size: Size, mesh: Any) -> list[Any]:
     del x  # Unused.
     return [placed_sum(ct, placement=placement, size=size, mesh=mesh)]
 
@@ -95,7 +98,7 @@ ad.deflinear2(broadcast_p, _broadcast_transpose)
 
 
 def _broadcast_batch(
-    args: tuple[jax.Array], dims: tuple[int], *, placement: str, size: int, mesh: Any
+    args: tuple[jax.Array], dims: tuple[int], *, placement: str, size: Size, mesh: Any
 ) -> tuple[jax.Array, int]:
     (x,), (dim,) = args, dims
     return placed_broadcast(x, placement=placement, size=size, mesh=mesh), dim + 1
@@ -110,7 +113,7 @@ sum_p = jex_core.Primitive("placed_sum")
 sum_p.def_impl(functools.partial(xla.apply_primitive, sum_p))
 
 
-def placed_sum(x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+def placed_sum(x: jax.Array, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
     """Binds `placed_sum`: the sum over the leading placement axis."""
     return sum_p.bind(x, placement=placement, size=size, mesh=mesh)
 
@@ -121,7 +124,7 @@ def _reduced_aval(x: Any, dtype: np.dtype) -> Any:
     return x.update(shape=x.shape[1:], dtype=dtype, weak_type=weak_type, sharding=sharding)
 
 
-def _sum_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+def _sum_abstract_eval(x: Any, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
     del mesh  # Unused.
     _check_placed_aval(x, placement, size, "placed_sum")
     return _reduced_aval(x, sum_dtype(x.dtype))
@@ -130,7 +133,7 @@ def _sum_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | Non
 sum_p.def_abstract_eval(_sum_abstract_eval)
 
 
-def _sum_lowering_fn(x: jax.Array, *, placement: str, size: int, mesh: Any) -> jax.Array:
+def _sum_lowering_fn(x: jax.Array, *, placement: str, size: Size, mesh: Any) -> jax.Array:
     del placement, size, mesh  # Unused.
     return jnp.sum(x, axis=0, dtype=sum_dtype(x.dtype))
 
@@ -149,7 +152,7 @@ def _cotangent_mesh(x: Any, placement: str) -> AnyMesh | None:
     return sharding.mesh if sharding.spec and sharding.spec[0] == placement else None
 
 
-def _sum_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
+def _sum_transpose(ct: Any, x: Any, *, placement: str, size: Size, mesh: Any) -> list[Any]:
     mesh = _cotangent_mesh(x, placement)
     return [placed_broadcast(ct, placement=placement, size=size, mesh=mesh)]
 
@@ -178,12 +181,12 @@ mean_p = jex_core.Primitive("placed_mean")
 mean_p.def_impl(functools.partial(xla.apply_primitive, mean_p))
 
 
-def placed_mean(x: jax.Array, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+def placed_mean(x: jax.Array, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
     """Binds `placed_mean`: the mean over the leading placement axis (ints give floats)."""
     return mean_p.bind(x, placement=placement, size=size, mesh=mesh)
 
 
-def _mean_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | None) -> Any:
+def _mean_abstract_eval(x: Any, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
     del mesh  # Unused.
     _check_placed_aval(x, placement, size, "placed_mean")
     return _reduced_aval(x, mean_dtype(x.dtype))
@@ -192,7 +195,7 @@ def _mean_abstract_eval(x: Any, *, placement: str, size: int, mesh: AnyMesh | No
 mean_p.def_abstract_eval(_mean_abstract_eval)
 
 
-def _mean_lowering_fn(x: jax.Array, *, placement: str, size: int, mesh: Any) -> jax.Array:
+def _mean_lowering_fn(x: jax.Array, *, placement: str, size: Size, mesh: Any) -> jax.Array:
     del placement, size, mesh  # Unused.
     # No dtype= here: jnp.mean then accumulates float16 / bfloat16 in float32 (as torch does),
     # where a sum in the value's own dtype would overflow.
@@ -202,10 +205,11 @@ def _mean_lowering_fn(x: jax.Array, *, placement: str, size: int, mesh: Any) -> 
 mlir.register_lowering(mean_p, mlir.lower_fun(_mean_lowering_fn, multiple_results=False))
 
 
-def _mean_transpose(ct: Any, x: Any, *, placement: str, size: int, mesh: Any) -> list[Any]:
+def _mean_transpose(ct: Any, x: Any, *, placement: str, size: Size, mesh: Any) -> list[Any]:
     mesh = _cotangent_mesh(x, placement)
     placed = placed_broadcast(ct, placement=placement, size=size, mesh=mesh)
-    return [placed / np.asarray(size, dtype=placed.dtype)]
+    # jnp.asarray turns a symbolic size into its value at run time (a constant for an int).
+    return [placed / jnp.asarray(size, dtype=placed.dtype)]
 
 
 ad.deflinear2(mean_p, _mean_transpose)

@@ -9,20 +9,30 @@ import operator
 import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
+import jax
 from typing_extensions import ParamSpec
+
+from bridge_mr._compat.jax import DimExpr
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
+#: The size of a placement: a positive int, or a `jax.export` symbolic dimension.
+Size: TypeAlias = int | DimExpr
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """A placement: the name of the placed axis (e.g. "clients") and its size."""
+    """A placement: the name of the placed axis (e.g. "clients") and its size.
+
+    The size is a positive int, or a `jax.export` symbolic dimension (`n` in
+    `n, = jax.export.symbolic_shape("n")`) for a program exported once for any count.
+    """
 
     name: str
-    size: int
+    size: Size
 
 
 _ACTIVE: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
@@ -31,7 +41,16 @@ _ACTIVE: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
 
 
 def current_placement() -> Placement | None:
-    """Returns the placement of the innermost active `program`, or None outside any program."""
+    """The placement of the innermost active `program` in this thread or task.
+
+    Returns:
+        Its `Placement`, or None outside any program.
+
+    Example::
+
+        with program(clients=8):
+            assert current_placement() == Placement("clients", 8)
+    """
     return _ACTIVE.get()
 
 
@@ -66,6 +85,25 @@ def _validate_placements(placements: Any) -> Placement:
             "program(placements=...) expects the placement name to be a non-empty str, e.g. "
             f'"clients"; got {type(name).__name__}: {name!r}.'
         )
+    return Placement(name, _validate_size(name, size))
+
+
+def _validate_size(name: str, size: Any) -> Size:
+    """Returns `size` as a positive int or a symbolic dimension that is provably >= 1."""
+    if jax.export.is_symbolic_dim(size):
+        try:
+            positive = size >= 1
+        except jax.errors.InconclusiveDimensionOperation:
+            positive = False
+        if not positive:
+            raise ValueError(
+                f"program(placements=...) expects the size of placement {name!r} to be "
+                f"positive; the symbolic size {size} is not >= 1 for every value of its "
+                'dimension variables. Use a variable (jax.export.symbolic_shape("n") '
+                "assumes n >= 1), an expression that is >= 1 whenever its variables are, or "
+                f'declare it: jax.export.symbolic_shape(..., constraints=("{size} >= 1",)).'
+            )
+        return size
     try:
         size_int = operator.index(size)
     except TypeError:
@@ -73,9 +111,10 @@ def _validate_placements(placements: Any) -> Placement:
     if size_int is None or isinstance(size, bool) or size_int <= 0:
         raise ValueError(
             f"program(placements=...) expects the size of placement {name!r} to be a positive "
-            f"int (the number of {name}); got {type(size).__name__}: {size!r}."
+            f"int (the number of {name}) or a jax.export symbolic dimension; got "
+            f"{type(size).__name__}: {size!r}."
         )
-    return Placement(name, size_int)
+    return size_int
 
 
 class program:  # Lower-case like a function, as in drjax.
@@ -91,9 +130,29 @@ class program:  # Lower-case like a function, as in drjax.
 
     `program(clients=8)` is accepted as a shorthand, as in drjax. The placement lives in a
     context variable: concurrent threads can run programs with different placements.
+
+    The size may be a `jax.export` symbolic dimension, to export one program for every
+    client count. JAX solves the dimension from the exported function's input shapes, so some
+    input must carry it (typically the placed client data)::
+
+        n, = jax.export.symbolic_shape("n")
+        exported = jax.export.export(jax.jit(bridge_mr.program(clients=n)(fedavg_round)))(
+            params_spec, jax.ShapeDtypeStruct((n, 32, 10), jnp.float32))
+        exported.call(params, data_of_7_clients)  # any number of clients
+
+    Args:
+        placements: One entry {name: size}: the placement's name (e.g. "clients") and size, a
+            positive int or a symbolic dimension that is >= 1 for all its values.
+        **kwargs: Instead of `placements`, one `name=size` keyword.
+
+    Raises:
+        TypeError: `placements` is not a mapping, its name is not a non-empty str, or both
+            `placements` and a keyword are given.
+        ValueError: Not exactly one placement, or the size is not a positive int (bools,
+            floats and strings are refused) nor a symbolic dimension that is always >= 1.
     """
 
-    def __init__(self, placements: Mapping[str, int] | None = None, **kwargs: int) -> None:
+    def __init__(self, placements: Mapping[str, Size] | None = None, **kwargs: Size) -> None:
         if placements is not None and kwargs:
             raise TypeError(
                 "program() takes either placements={name: size} or one keyword name=size, not "

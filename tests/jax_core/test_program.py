@@ -110,7 +110,7 @@ def test_two_threads_with_different_placements_match_sequential_runs():
     for n in (3, 7):
         assert len(results[n]) == 20
         for result in results[n]:
-            np.testing.assert_allclose(result, expected[n], rtol=1e-12)
+            np.testing.assert_array_equal(result, expected[n])
 
 
 # --- bad input --------------------------------------------------------------------------------
@@ -143,6 +143,7 @@ def test_calls_outside_any_program_explain_the_fix(call):
         ({"clients": -1}, ValueError, "positive int"),
         ({"clients": 2.5}, ValueError, "positive int.*got float: 2.5"),
         ({"clients": True}, ValueError, "positive int.*got bool"),
+        ({"clients": "3"}, ValueError, "positive int.*symbolic dimension; got str: '3'"),
         ([("clients", 2)], TypeError, "expects a mapping.*got list"),
     ],
 )

@@ -1,0 +1,130 @@
+"""The top level is lazy: plain-JAX use of bridge_mr never imports torch (fresh interpreters)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+_PLAIN_JAX_PROGRAM = """
+    import jax, jax.numpy as jnp
+
+    @jax.jit
+    @bridge_mr.program(placements={"clients": 3})
+    def round_(params, data):
+        placed = bridge_mr.broadcast(params)
+        losses = bridge_mr.map_fn(lambda p, d: jnp.sum((d @ p) ** 2), (placed, data))
+        weights = bridge_mr.map_fn(lambda d: jnp.float32(d.shape[0]), data)
+        total = bridge_mr.reduce_sum(losses)
+        return bridge_mr.reduce_mean(losses), bridge_mr.reduce_weighted_mean(losses, weights), total
+
+    mean, weighted, total = round_(jnp.ones((4, 2)), jnp.ones((3, 5, 4)))
+    assert [round(float(v), 3) for v in (mean, weighted, total)] == [160.0, 160.0, 480.0]
+    assert jax.grad(lambda p: round_(p, jnp.ones((3, 5, 4)))[0])(jnp.ones((4, 2))).shape == (4, 2)
+"""
+
+
+def _run(*blocks: str) -> None:
+    """Runs the code `blocks` (each dedented) in one fresh interpreter, JAX on the CPU."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", "\n".join(textwrap.dedent(block) for block in blocks)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def test_import_bridge_mr_and_a_plain_jax_program_leave_torch_out():
+    _run(
+        "import sys\nimport bridge_mr",
+        _PLAIN_JAX_PROGRAM,
+        """
+        bridge_mr.clear_caches()
+        bridge_mr.recommended_xla_flags()
+        assert "torch" not in sys.modules, "torch was imported"
+        """,
+    )
+
+
+def test_import_jax_core_alone_leaves_torch_out():
+    _run(
+        """
+        import sys
+        import bridge_mr.jax_core
+        assert "torch" not in sys.modules, "torch was imported"
+        """
+    )
+
+
+def test_a_torch_name_loads_torch_on_first_access():
+    _run(
+        """
+        import sys
+        import bridge_mr
+        assert "torch" not in sys.modules
+        bridge_mr.map_reduce
+        assert "torch" in sys.modules
+        """
+    )
+
+
+def test_the_lazy_names_are_the_torch_api_and_dlpack_ones():
+    _run(
+        """
+        import sys
+        import bridge_mr
+        for module in ("dlpack", "torch_api"):
+            assert getattr(bridge_mr, module) is sys.modules[f"bridge_mr.{module}"], module
+        for name in ("map_reduce", "torch_function", "TorchFunction", "RetraceWarning",
+                     "trace_counts"):
+            assert getattr(bridge_mr, name) is getattr(bridge_mr.torch_api, name), name
+        """
+    )
+
+
+def test_the_mapreduce_names_run_the_torch_frontend_once_torch_is_imported():
+    _run(
+        """
+        import torch
+        import bridge_mr
+        with bridge_mr.program(clients=3):
+            out = bridge_mr.reduce_mean(bridge_mr.broadcast(torch.ones(2, requires_grad=True)))
+        assert isinstance(out, torch.Tensor) and out.requires_grad
+        assert bridge_mr.trace_counts()["reduce_mean"] >= 1
+        """,
+        _PLAIN_JAX_PROGRAM,
+    )
+
+
+def test_star_import_and_dir_list_every_public_name():
+    _run(
+        """
+        import bridge_mr
+        listed = set(dir(bridge_mr))
+        namespace = {}
+        exec("from bridge_mr import *", namespace)
+        missing = set(bridge_mr.__all__) - set(namespace)
+        assert not missing, missing
+        assert set(bridge_mr.__all__) | {"torch_api"} <= listed, listed
+        assert {"map_reduce", "clear_caches", "recommended_xla_flags"} <= set(bridge_mr.__all__)
+        """
+    )
+
+
+def test_unknown_attribute_raises_attribute_error():
+    _run(
+        """
+        import bridge_mr
+        try:
+            bridge_mr.no_such_name
+        except AttributeError as err:
+            assert "no attribute 'no_such_name'" in str(err)
+        else:
+            raise AssertionError("no AttributeError")
+        """
+    )
