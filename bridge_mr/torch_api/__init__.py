@@ -1,20 +1,22 @@
 """The torch frontend: JAX functions and MapReduce primitives on torch tensors, with autograd."""
 
+from ._caches import clear_caches as clear_caches
 from ._caches import trace_counts as trace_counts
 from ._function import RetraceWarning as RetraceWarning
 from ._function import TorchFunction as TorchFunction
 from ._function import torch_function as torch_function
 from ._map_reduce import map_reduce as map_reduce
-from ._primitives import broadcast as broadcast
-from ._primitives import map_fn as map_fn
-from ._primitives import reduce_mean as reduce_mean
-from ._primitives import reduce_sum as reduce_sum
-from ._primitives import reduce_weighted_mean as reduce_weighted_mean
+from ._ops import broadcast as broadcast
+from ._ops import map_fn as map_fn
+from ._ops import reduce_mean as reduce_mean
+from ._ops import reduce_sum as reduce_sum
+from ._ops import reduce_weighted_mean as reduce_weighted_mean
 
 __all__ = [
     "RetraceWarning",
     "TorchFunction",
     "broadcast",
+    "clear_caches",
     "map_fn",
     "map_reduce",
     "reduce_mean",

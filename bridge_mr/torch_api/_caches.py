@@ -1,8 +1,12 @@
-"""Introspection of the torch frontend's compile caches."""
+"""The torch frontend's compile caches: how often they traced, and clearing them."""
 
 from __future__ import annotations
 
-from . import _map_reduce, _primitives
+import jax
+
+from bridge_mr import runners
+
+from . import _custom_op, _function, _map_reduce, _ops
 
 
 def trace_counts() -> dict[str, int]:
@@ -22,5 +26,23 @@ def trace_counts() -> dict[str, int]:
       ...     bridge_mr.map_reduce(client_loss, params, batch).backward()
       >>> assert bridge_mr.trace_counts()["map_reduce"] - before <= 2  # forward + backward
     """
-    functions = (_map_reduce.MAP_REDUCE, *_primitives.PRIMITIVES)
+    functions = (_map_reduce.MAP_REDUCE, *_ops.OPERATIONS)
     return {repr(fn): fn.trace_count for fn in functions}
+
+
+def clear_caches() -> None:
+    """Drops every traced and compiled program the torch frontend holds, and JAX's caches.
+
+    Afterwards bridge_mr keeps no user function, closure or captured array alive: each torch
+    function's entries (`TorchFunction.clear_cache`), the custom op's traced calls (compiled
+    graphs rebuild theirs by name), the torch-xla embeddings, and `jax.clear_caches()`. Calls
+    trace again; trace counts keep counting.
+
+    Example:
+      >>> bridge_mr.map_reduce(client_loss, params, batch)
+      >>> bridge_mr.clear_caches()  # client_loss and what it closes over can now be freed
+    """
+    _function.clear_all()
+    _custom_op.clear()
+    runners.clear_caches()
+    jax.clear_caches()

@@ -3,41 +3,60 @@
 The op `bridge_mr::call_jax(Tensor[] tensors, str program) -> (Tensor[], Tensor[])` names what
 to run in `program`:
 
-  "F<function uid>"          forward only;
-  "R<function uid>:<mask>"   forward that also returns what backward needs (gradients of a
-                             scalar output, or VJP residuals), `mask` marking with "1" the
-                             tensors that need gradients;
-  "B<entry uid>"             the VJP of one traced signature, on cotangents and residuals.
+  "F<uid>"                    forward only;
+  "R<uid>:<mask>"             forward that also returns what backward needs (gradients of a
+                              scalar output, or VJP residuals), `mask` marking with "1" the
+                              tensors that need gradients;
+  "B<uid>:<mask>:<inputs>"    the VJP of that forward, on cotangents and residuals; `inputs`
+                              spells the forward's input shapes and dtypes.
 
-Its fake implementation takes output shapes and dtypes from the JAX trace (no data needed),
-so `torch.compile(fullgraph=True)` can trace through it; its autograd formula saves the
-residual tensors and calls the "B" program (or scales the saved gradients).
+A name says everything needed to rebuild its traced call, so the traced calls behind compiled
+graphs can be evicted (the cache is bounded) and cleared. Its fake implementation takes output
+shapes and dtypes from the JAX trace (no data needed), so `torch.compile(fullgraph=True)` can
+trace through it; its autograd formula saves the residual tensors and calls the "B" program
+(or scales the saved gradients).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
+import threading
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
+import numpy as np
 import torch
 
-from bridge_mr import _dtypes
-from bridge_mr._compat import torch as _torch_compat
+from bridge_mr import runners
+from bridge_mr._compat import torch as torch_compat
+from bridge_mr._dtypes import Aval, jax_dtype, torch_dtype
 
-if TYPE_CHECKING:
-    from ._function import TorchFunction, _Entry
+from ._autograd import fill_cotangents, scale_gradients, scatter
+from ._traced import TracedCall, backward_program
 
 _OP = "bridge_mr::call_jax"
+_MAX_ENTRIES = 256
+
+
+class OpFunction(Protocol):
+    """What the op needs of a compilable torch function: a way to trace one signature."""
+
+    def trace_op(
+        self, in_avals: tuple[Aval, ...], device_type: str, diff: tuple[int, ...]
+    ) -> TracedCall: ...
+
+
 _uids = itertools.count()
-_functions: weakref.WeakValueDictionary[int, TorchFunction] = weakref.WeakValueDictionary()
-_entries: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary()
+_functions: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_entries: collections.OrderedDict[tuple[str, str, str], _OpEntry] = collections.OrderedDict()
+_lock = threading.Lock()
 
 
-def register_function(fn: TorchFunction) -> str:
+def register(fn: OpFunction) -> str:
     """Defines the custom op (once) and returns the uid by which programs name `fn`.
 
     A string, not an int: torch.compile treats int attributes that differ between recompiles
@@ -49,15 +68,14 @@ def register_function(fn: TorchFunction) -> str:
     return str(uid)
 
 
-def register_entry(entry: _Entry) -> int:
-    """Returns the uid by which "B" programs name `entry`."""
-    uid = next(_uids)
-    _entries[uid] = entry
-    return uid
+def clear() -> None:
+    """Drops every traced call of the op (compiled graphs rebuild theirs from their names)."""
+    with _lock:
+        _entries.clear()
 
 
-def call(fn: TorchFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Calls compilable `fn` on positional tensors through the custom op."""
+def call(fn: Any, uid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Calls compilable `fn` (registered as `uid`) on positional tensors through the custom op."""
     if kwargs:
         raise TypeError(
             f"{fn!r} is compilable, so it takes tensors as positional arguments only; got "
@@ -71,7 +89,7 @@ def call(fn: TorchFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
                 f"argument {i} is a {type(arg).__name__}. Bind static values with "
                 "functools.partial, or use torch_function(..., compilable=False) for pytrees."
             )
-    if _torch_compat.functorch_transforms_active():
+    if torch_compat.functorch_transforms_active():
         raise NotImplementedError(
             f"{fn!r} is compilable (a torch.library custom op), and torch.func transforms "
             "(grad, vjp, jvp, vmap, ...) do not see through it. Under torch.func, use "
@@ -81,19 +99,64 @@ def call(fn: TorchFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     tensors = list(args)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         mask = "".join("1" if t.requires_grad else "0" for t in tensors)
-        program = f"R{fn.uid}:{mask}"
+        program = f"R{uid}:{mask}"
     else:
-        program = f"F{fn.uid}"
+        program = f"F{uid}"
     outputs, _ = torch.ops.bridge_mr.call_jax(tensors, program)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-def _resolve(program: str, tensors: Sequence[torch.Tensor]) -> _Entry:
-    kind, rest = program[0], program[1:]
-    if kind == "B":
-        return _entries[int(rest)]
-    uid, _, mask = rest.partition(":")
-    fn = _functions[int(uid)]
+class _OpEntry:
+    """One traced signature of the op and its runners (built at first real execution)."""
+
+    def __init__(self, traced: TracedCall) -> None:
+        self.traced = traced
+        self._runners: tuple[runners.Runner, runners.Runner | None] | None = None
+        self._lock = threading.Lock()
+
+    def runners(self) -> tuple[runners.Runner, runners.Runner | None]:
+        """The forward runner (outputs, then gradients or residuals) and the VJP runner.
+
+        The VJP runner is None for a fused (scalar-output) entry or one without gradients.
+        """
+        if self._runners is None:
+            with self._lock:
+                if self._runners is None:
+                    traced = self.traced
+                    spec = traced.spec
+                    n_total = traced.outputs.n_out + len(traced.extra_avals)
+                    forward = runners.runner_for(
+                        spec.device_type, traced.program, spec.in_avals, n_total, spec.mesh
+                    )
+                    backward = None
+                    if spec.diff and not traced.outputs.fused:
+                        backward = runners.runner_for(
+                            spec.device_type,
+                            backward_program(traced),
+                            [*traced.cotangent_avals, *traced.extra_avals],
+                            len(spec.diff),
+                            spec.mesh,
+                        )
+                    self._runners = (forward, backward)
+        return self._runners
+
+
+def _spell(avals: Sequence[Aval]) -> str:
+    """Input shapes and dtypes as program-name text ("float32:2x3;int32:")."""
+    return ";".join(f"{dtype.name}:{'x'.join(map(str, shape))}" for shape, dtype in avals)
+
+
+def _parse(spelled: str) -> tuple[Aval, ...]:
+    if not spelled:
+        return ()
+    avals = []
+    for part in spelled.split(";"):
+        name, _, dims = part.partition(":")
+        avals.append((tuple(int(d) for d in dims.split("x")) if dims else (), np.dtype(name)))
+    return tuple(avals)
+
+
+def _in_avals(fn: Any, tensors: Sequence[torch.Tensor]) -> tuple[Aval, ...]:
     for i, tensor in enumerate(tensors):
         if not all(isinstance(d, int) for d in tensor.shape):
             raise TypeError(
@@ -101,53 +164,94 @@ def _resolve(program: str, tensors: Sequence[torch.Tensor]) -> _Entry:
                 "is compiled for fixed shapes. Compile with torch.compile(..., dynamic=False), "
                 "or mark the dimension static with torch._dynamo.mark_static."
             )
-    entry = fn.op_entry(tensors, tuple(i for i, c in enumerate(mask) if c == "1"))
-    out_def = entry.out_def
-    flat = jax.tree_util.treedef_is_leaf(out_def) or (
-        out_def.num_nodes == out_def.num_leaves + 1 and out_def.node_data()[0] in (tuple, list)
+    return tuple(
+        (
+            tuple(t.shape),
+            jax_dtype(t.dtype, where=f"{fn!r}: tensor {i}", xla=t.device.type == "xla"),
+        )
+        for i, t in enumerate(tensors)
+    )
+
+
+def _entry(uid: str, mask: str, in_avals: tuple[Aval, ...], device_type: str) -> _OpEntry:
+    key = (uid, mask, _spell(in_avals) + "@" + device_type)
+    with _lock:
+        entry = _entries.get(key)
+        if entry is not None:
+            _entries.move_to_end(key)
+            return entry
+    fn = _functions.get(int(uid))
+    if fn is None:
+        raise RuntimeError(
+            f"bridge_mr: a compiled graph calls the compilable torch function #{uid}, which has "
+            "been garbage-collected. Keep the function (the torch_function(...) object) alive "
+            "as long as graphs compiled with it run."
+        )
+    traced = fn.trace_op(in_avals, device_type, tuple(i for i, c in enumerate(mask) if c == "1"))
+    tree = traced.outputs.tree
+    flat = jax.tree_util.treedef_is_leaf(tree) or (
+        tree.num_nodes == tree.num_leaves + 1 and tree.node_data()[0] in (tuple, list)
     )
     if not flat:
         raise TypeError(
             f"{fn!r} is compilable, so its JAX function must return one array or a flat "
-            f"tuple or list of arrays; it returned {entry.out_def}. Flatten the result "
+            f"tuple or list of arrays; it returned {tree}. Flatten the result "
             "(e.g. jax.tree_util.tree_leaves) or use torch_function(..., compilable=False)."
         )
+    entry = _OpEntry(traced)
+    with _lock:
+        entry = _entries.setdefault(key, entry)
+        if len(_entries) > _MAX_ENTRIES:
+            _entries.popitem(last=False)
     return entry
+
+
+def _resolve(program: str, tensors: Sequence[torch.Tensor]) -> _OpEntry:
+    device_type = tensors[0].device.type if tensors else "cpu"
+    kind, rest = program[0], program[1:]
+    if kind == "B":
+        uid, mask, spelled = rest.split(":", 2)
+        return _entry(uid, mask, _parse(spelled), device_type)
+    uid, _, mask = rest.partition(":")
+    fn = _functions.get(int(uid))
+    return _entry(uid, mask, _in_avals(fn, tensors), device_type)
 
 
 def _impl(
     tensors: list[torch.Tensor], program: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     entry = _resolve(program, tensors)
-    forward, backward = entry.op_runners()
+    forward, backward = entry.runners()
     if program[0] == "B":
         assert backward is not None  # "B" programs are made for unfused entries only
         grads, _ = backward(tensors, ())
         return grads, []
     exported, _ = forward(tensors, ())
-    return exported[: entry.n_out], exported[entry.n_out :]
+    n = entry.traced.outputs.n_out
+    return exported[:n], exported[n:]
 
 
 def _fake(
     tensors: list[torch.Tensor], program: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    entry = _resolve(program, tensors)
+    traced = _resolve(program, tensors).traced
     device = tensors[0].device if tensors else torch.device("cpu")
 
-    def empty(avals: Sequence[_dtypes.Aval]) -> list[torch.Tensor]:
-        return [torch.empty(s, dtype=_dtypes.torch_dtype(d), device=device) for s, d in avals]
+    def empty(avals: Sequence[Aval]) -> list[torch.Tensor]:
+        return [torch.empty(s, dtype=torch_dtype(d), device=device) for s, d in avals]
 
     if program[0] == "B":
-        return empty([entry.in_avals[i] for i in entry.diff]), []
-    return empty(entry.out_avals), empty(entry.extra_avals())
+        return empty(traced.grad_avals), []
+    return empty(traced.outputs.avals), empty(traced.extra_avals)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     tensors, program = inputs
     _, extras = output
+    entry = _resolve(program, tensors)
     ctx.n_inputs = len(tensors)
     ctx.program = program
-    ctx.entry = _resolve(program, tensors)
+    ctx.traced = entry.traced
     ctx.save_for_backward(*extras)
 
 
@@ -155,37 +259,29 @@ def _backward(
     ctx: Any, grad_outputs: list[torch.Tensor | None], grad_extras: Any
 ) -> tuple[Any, None]:
     del grad_extras  # Residuals are internal: nothing flows back through them.
-    entry: _Entry = ctx.entry
+    traced: TracedCall = ctx.traced
+    name = traced.spec.name
     if ctx.program[0] != "R":
         raise RuntimeError(
-            f"{entry.owner!r}: backward through a compilable function's {ctx.program[0]!r} "
-            "program (its forward ran without gradients, or this is a second-order backward). "
+            f"{name}: backward through a compilable function's {ctx.program[0]!r} program (its "
+            "forward ran without gradients, or this is a second-order backward). "
             "create_graph=True is not supported on the compilable path; use "
             "torch_function(..., compilable=False) for higher-order gradients."
         )
     if torch.is_grad_enabled():
         raise RuntimeError(
-            f"{entry.owner!r}: backward with create_graph=True is not supported for compilable "
-            "torch functions; use torch_function(..., compilable=False) for higher-order "
-            "gradients."
+            f"{name}: backward with create_graph=True is not supported for compilable torch "
+            "functions; use torch_function(..., compilable=False) for higher-order gradients."
         )
-    extras = ctx.saved_tensors
-    cotangents = []
-    for i in entry.float_outputs:
-        grad = grad_outputs[i]
-        if grad is None:
-            shape, dtype = entry.out_avals[i]
-            grad = torch.zeros(shape, dtype=_dtypes.torch_dtype(dtype), device=extras[0].device)
-        cotangents.append(grad)
-    if entry.fused:
-        (scale,) = cotangents
-        grads = [g * scale.to(g.dtype) for g in extras]
+    extras = list(ctx.saved_tensors)
+    cotangents = fill_cotangents(traced.outputs, grad_outputs, extras[0].device)
+    if traced.outputs.fused:
+        grads = scale_gradients(extras, cotangents[0], skip_unit=False)
     else:
-        grads, _ = torch.ops.bridge_mr.call_jax([*cotangents, *extras], f"B{entry.uid}")
-    result: list[Any] = [None] * ctx.n_inputs
-    for i, grad in zip(entry.diff, grads, strict=True):
-        result[i] = grad
-    return result, None
+        uid, _, mask = ctx.program[1:].partition(":")
+        vjp_program = f"B{uid}:{mask}:{_spell(traced.spec.in_avals)}"
+        grads, _ = torch.ops.bridge_mr.call_jax([*cotangents, *extras], vjp_program)
+    return scatter(traced.spec.diff, grads, ctx.n_inputs), None
 
 
 @functools.cache

@@ -1,15 +1,4 @@
-"""Where a traced program runs: via DLPack for CPU and CUDA tensors, in torch-xla's graph for XLA.
-
-A *program* is a jitted JAX function over a flat list of arrays that returns a flat list of
-arrays. Its inputs are torch tensors followed by *carried* values (results of an earlier program
-on the same kind of runner, such as VJP residuals, which stay on the executor's side); its first
-`n_exported` outputs come back as torch tensors and the rest stay carried.
-
-The seam for torch-xla: `runner_for("xla", ...)` calls
-`bridge_mr.torch_api._xla_backend.call_jax_on_xla(program, tensors) -> list[torch.Tensor]`,
-which must run the jitted program on XLA tensors inside the lazy graph and return all of its
-outputs as XLA tensors; carried values are then XLA tensors too.
-"""
+"""The DLPack runner: CPU and CUDA tensors cross into JAX without copies, outputs cross back."""
 
 from __future__ import annotations
 
@@ -17,70 +6,31 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bridge_mr._compat.torch import flatten_dense_tensors
+from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval
 from bridge_mr.dlpack import export_arrays, jit_arguments
 
-from ._xla_backend import call_jax_on_xla, lowering_mesh
+from ._protocols import Program
 
-# Below this size importing a tensor (3-10 µs of Python and runtime work each) costs more than
-# copying it into a shared buffer, so small tensors of one dtype cross together. (Exports cost
-# ~3 µs each, about what splitting a shared buffer into views costs: outputs are not packed.)
+# Small tensors of one dtype cross together in one shared buffer: importing a tensor costs more
+# than copying a small one (benchmarks/results/NOTES.md, "packing").
 _PACK_BYTES = 64 * 1024
 
-
-# Waking a thread that sleeps on a result takes tens of µs on a busy or virtualised machine, as
-# long as a tiny program runs: results that come within this time are polled for instead.
+# Results that come within this time are polled for: waking a thread that sleeps on a result
+# costs about as long as a tiny program runs on a busy or virtualised machine.
 _POLL_SECONDS = 100e-6
 
 
-class Program(Protocol):
-    """A jitted JAX function over flat arrays returning a flat list of arrays."""
-
-    def __call__(self, *arrays: Any) -> list[jax.Array]: ...
-
-
-class Runner(Protocol):
-    """Runs one program: torch tensors and carried values in; torch tensors and carried out."""
-
-    def __call__(
-        self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
-    ) -> tuple[list[torch.Tensor], list[Any]]: ...
-
-
-def runner_for(
-    device_type: str,
-    program: Program,
-    in_avals: Sequence[Aval],
-    n_exported: int,
-    mesh: Mesh | None,
-) -> Runner:
-    """The runner for tensors of `device_type` ("cpu", "cuda", "xla", ...).
-
-    `in_avals` describe the tensor inputs. A program that shards over a multi-device `mesh`
-    gets its tensor inputs replicated over it and its exported outputs gathered (torch sees
-    one device).
-    """
-    if device_type == "xla":
-        return _XlaRunner(program, n_exported)
-    return _DlpackRunner(program, in_avals, n_exported, mesh)
-
-
-def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """The JAX context to trace a program for `device_type` in: on XLA, the mesh it lowers under.
-
-    So tracing and lowering see the same mesh (torch-xla's global SPMD mesh, see
-    `_xla_backend.lowering_mesh`); on other devices it changes nothing.
-    """
-    mesh = lowering_mesh() if device_type == "xla" else None
-    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)
+def trace_context() -> contextlib.AbstractContextManager[Any]:
+    """The JAX context DLPack programs are traced in: the caller's own (nothing changes)."""
+    return contextlib.nullcontext()
 
 
 def _pack_groups(avals: Sequence[Aval]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
@@ -94,8 +44,17 @@ def _pack_groups(avals: Sequence[Aval]) -> tuple[tuple[tuple[int, ...], ...], tu
     return groups, tuple(i for i in range(len(avals)) if i not in grouped)
 
 
-class _DlpackRunner:
-    """Imports tensors without copying (small ones packed per dtype), runs, exports."""
+class DlpackRunner:
+    """Imports tensors without copying (small ones packed per dtype), runs, waits, exports.
+
+    Args:
+      program: the jitted program; its inputs are the tensors followed by carried values.
+      in_avals: shapes and dtypes of the tensor inputs.
+      n_exported: how many leading outputs come back as torch tensors; the rest stay JAX
+        arrays (carried, e.g. VJP residuals for a later program on this runner).
+      mesh: a multi-device mesh the program shards over: tensor inputs are replicated over it
+        and exported outputs gathered, so torch sees one device. None for one device.
+    """
 
     def __init__(
         self, program: Program, in_avals: Sequence[Aval], n_exported: int, mesh: Mesh | None
@@ -130,7 +89,10 @@ class _DlpackRunner:
     def __call__(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
-        crossing = [flatten_dense_tensors([tensors[i] for i in group]) for group in self._groups]
+        crossing = [
+            torch_compat.flatten_dense_tensors([tensors[i] for i in group])
+            for group in self._groups
+        ]
         crossing += [tensors[i] for i in self._singles]
         arrays = jit_arguments(crossing)
         if self._replicated is not None:
@@ -157,18 +119,3 @@ class _DlpackRunner:
         start = clock()
         output.block_until_ready()
         self._poll = clock() - start < _POLL_SECONDS
-
-
-class _XlaRunner:
-    """Embeds the program in torch-xla's lazy graph; carried values are XLA tensors."""
-
-    def __init__(self, program: Program, n_exported: int) -> None:
-        self._program = program
-        self._n_exported = n_exported
-
-    def __call__(
-        self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
-    ) -> tuple[list[torch.Tensor], list[Any]]:
-        outputs = call_jax_on_xla(self._program, [*tensors, *carried])
-        n = self._n_exported
-        return outputs[:n], outputs[n:]

@@ -30,23 +30,48 @@ import torch
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bridge_mr import _dtypes
-from bridge_mr._compat import jax as _jax_compat
-from bridge_mr._compat.torch_xla import INSTALL_HINT as INSTALL_HINT
-from bridge_mr._compat.torch_xla import import_torch_xla as _import_torch_xla
-from bridge_mr.jax_core import ambient_mesh as _ambient_mesh
+from bridge_mr import jax_core
+from bridge_mr._compat import jax as jax_compat
+from bridge_mr._compat import torch_xla as torch_xla_compat
+from bridge_mr._dtypes import Aval, jax_dtype
 
-__all__ = ["call_jax_on_xla", "is_xla_tensor", "lowering_mesh", "torch_xla_global_mesh"]
+from ._protocols import Program
 
-# jax_fn -> {(input signature, jax_enable_x64, caller's JAX mesh, lowering mesh): embedded
-# computation}. Weak in jax_fn so that functions (and what they close over) can be freed.
+# jax_fn -> {(input signature, JAX's trace context, the caller's JAX mesh, the lowering mesh):
+# embedded computation}. Weak in jax_fn so that functions (and what they close over) can be freed.
 _EMBEDDED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], Callable[..., Any]]]
 _EMBEDDED = weakref.WeakKeyDictionary()
+
+_Embedded = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def is_xla_tensor(tensor: torch.Tensor) -> bool:
     """Whether `tensor` lives on a torch-xla device. Never imports torch_xla."""
     return tensor.device.type == "xla"
+
+
+class XlaRunner:
+    """Embeds a program in torch-xla's lazy graph; carried values are XLA tensors.
+
+    The program is lowered once, at construction, under `trace_context()` (the context it was
+    traced in, so JAX's trace cache serves the lowering: the JAX function is traced once).
+
+    Args:
+      program: the jitted program, traced under `trace_context()`.
+      in_avals: shapes and dtypes of its inputs (tensors, then carried values).
+      n_exported: how many leading outputs are returned as exported; the rest are carried.
+    """
+
+    def __init__(self, program: Program, in_avals: Sequence[Aval], n_exported: int) -> None:
+        self._embedded = _embed(program, list(in_avals), check_flat=False)
+        self._n_exported = n_exported
+
+    def __call__(
+        self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
+    ) -> tuple[list[torch.Tensor], list[Any]]:
+        outputs = list(self._embedded([*tensors, *carried]))
+        n = self._n_exported
+        return outputs[:n], outputs[n:]
 
 
 def call_jax_on_xla(
@@ -64,11 +89,11 @@ def call_jax_on_xla(
     Returns:
       One lazy XLA tensor per output of `jax_fn`. Nothing is executed until torch-xla syncs
       (`torch_xla.sync()`, `.cpu()`, `.item()`, ...). The outputs never require grad: autograd
-      belongs to the caller.
+      belongs to the caller (`bridge_mr.torch_function` differentiates).
 
-    The first call for a signature lowers `jax_fn` under `lowering_mesh()`. Its shardings must
-    use Auto mesh axes; under SPMD their meshes must span all of torch-xla's devices. Without
-    SPMD they are ignored, with a warning.
+    The first call for a signature traces and lowers `jax_fn` under `trace_context()`. Its
+    shardings must use Auto mesh axes; under SPMD their meshes must span all of torch-xla's
+    devices. Without SPMD they are ignored, with a warning.
 
     Raises:
       ImportError: torch_xla is not installed.
@@ -76,12 +101,23 @@ def call_jax_on_xla(
         with Explicit axes, or (under SPMD) over a mesh of another size than the device count.
       TypeError: a 64-bit tensor while `jax_enable_x64` is off; `jax_fn` does not return a
         flat tuple or list of arrays, or cannot be weakly referenced.
+
+    Example:
+      >>> x = torch.ones(3, device=torch_xla.device())
+      >>> (y,) = call_jax_on_xla(lambda a: (jnp.sin(a),), [x])
     """
     tensors = list(tensors)
     _check_tensors(tensors)
-    signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
-    mesh = lowering_mesh()
-    key = (signature, jax.config.jax_enable_x64, _ambient_mesh(), mesh)
+    avals = [
+        (tuple(t.shape), jax_dtype(t.dtype, where=f"tensors[{i}]", xla=True))
+        for i, t in enumerate(tensors)
+    ]
+    key = (
+        tuple(avals),
+        jax_compat.trace_context(),
+        jax_core.ambient_mesh(),
+        lowering_mesh(),
+    )
     try:
         per_fn = _EMBEDDED.setdefault(jax_fn, {})
     except TypeError as error:
@@ -92,8 +128,13 @@ def call_jax_on_xla(
         ) from error
     embedded = per_fn.get(key)
     if embedded is None:
-        embedded = per_fn[key] = _embed(jax_fn, signature, mesh)
+        embedded = per_fn[key] = _embed(jax_fn, avals, check_flat=True)
     return list(embedded(tensors))
+
+
+def clear_cache() -> None:
+    """Drops every computation `call_jax_on_xla` embedded (runners hold their own)."""
+    _EMBEDDED.clear()
 
 
 def lowering_mesh() -> AbstractMesh | None:
@@ -103,7 +144,28 @@ def lowering_mesh() -> AbstractMesh | None:
     mesh (`jax.set_mesh`, `jax.sharding.use_abstract_mesh`, `with mesh:`), which then applies
     as it is.
     """
-    return None if _ambient_mesh() is not None else torch_xla_global_mesh()
+    return None if jax_core.ambient_mesh() is not None else torch_xla_global_mesh()
+
+
+@contextlib.contextmanager
+def trace_context() -> Iterator[None]:
+    """The JAX context XLA programs are traced and lowered in.
+
+    torch-xla's runtime is started first (it must own the TPU before JAX starts a backend).
+    Inside: `lowering_mesh()` as the abstract mesh, GSPMD rather than Shardy partitioning
+    (torch-xla 2.9 reads GSPMD shardings from the HLO, as its own call_jax does; a thread-local
+    JAX config context, so the user's JAX code elsewhere is unaffected), and torch-xla's
+    environment guard against JAX's MegaScale client hanging beside it.
+    """
+    torch_xla = torch_xla_compat.import_torch_xla()
+    torch_xla.workarounds.jax_import_guard()
+    mesh = lowering_mesh()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch_xla.workarounds.jax_env_context())
+        stack.enter_context(jax_compat.shardy_partitioner(False))
+        if mesh is not None:
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+        yield
 
 
 # The last torch-xla mesh converted by torch_xla_global_mesh, and its conversion.
@@ -117,9 +179,12 @@ def torch_xla_global_mesh() -> AbstractMesh | None:
     set (`torch_xla.distributed.spmd.set_global_mesh`). The abstract mesh has the same shape and
     axis names, all Auto; it numbers devices 0..n-1 in order, whatever the torch-xla mesh's
     `device_ids` order.
+
+    Raises:
+      ImportError: torch_xla is not installed.
     """
     global _DERIVED
-    torch_xla = _import_torch_xla()
+    torch_xla = torch_xla_compat.import_torch_xla()
     if not torch_xla.runtime.is_spmd():
         return None
     xla_mesh = torch_xla.spmd.get_global_mesh()
@@ -146,7 +211,7 @@ def _check_tensors(tensors: list[torch.Tensor]) -> None:
                 f"tensors[{index}] must be a torch.Tensor; got {type(tensor).__name__}."
             )
         if not is_xla_tensor(tensor):
-            _import_torch_xla()  # A missing torch_xla is the more useful error to report.
+            torch_xla_compat.import_torch_xla()  # A missing torch_xla is the more useful error.
             raise ValueError(
                 f"tensors[{index}] is on device {tensor.device}, but call_jax_on_xla runs inside "
                 f"the torch-xla graph and needs every tensor on the XLA device; move it with "
@@ -154,47 +219,26 @@ def _check_tensors(tensors: list[torch.Tensor]) -> None:
             )
 
 
-def _embed(
-    jax_fn: Callable[..., Sequence[jax.Array]],
-    signature: tuple[tuple[tuple[int, ...], torch.dtype], ...],
-    mesh: AbstractMesh | None,
-) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """Lowers `jax_fn` for `signature` (under `mesh` if given); torch-xla's callable for it."""
-    torch_xla = _import_torch_xla()
-    avals = [
-        jax.ShapeDtypeStruct(shape, _dtypes.jax_dtype(dtype, where=f"tensors[{i}]", xla=True))
-        for i, (shape, dtype) in enumerate(signature)
-    ]
-    # Lowering starts JAX's backends: torch-xla's runtime must hold the device (TPU) first, and
-    # jax_env_context is call_jax's guard against JAX's MegaScale client hanging next to it.
-    torch_xla.workarounds.jax_import_guard()
-    # torch-xla 2.9 partitions with GSPMD and reads GSPMD shardings from the HLO, as its own
-    # call_jax does; Shardy is turned off for this thread only, so the user's JAX code is
-    # unaffected.
-    with (
-        torch_xla.workarounds.jax_env_context(),
-        _lowering_mesh(mesh),
-        _jax_compat.shardy_partitioner(False),
-    ):
-        traced = jax.jit(jax_fn, keep_unused=True).trace(*avals)
+def _embed(jax_fn: Callable[..., Any], avals: list[Aval], *, check_flat: bool) -> _Embedded:
+    """Traces and lowers `jax_fn` for `avals` under `trace_context()`; torch-xla's callable."""
+    torch_xla = torch_xla_compat.import_torch_xla()
+    with trace_context():
+        traced = jax.jit(jax_fn, keep_unused=True).trace(
+            *(jax.ShapeDtypeStruct(*aval) for aval in avals)
+        )
         _check_shardings(traced.jaxpr.jaxpr, torch_xla.runtime)
         lowered = traced.lower()
         hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
-    leaves = jax.tree.leaves(lowered.out_info)
-    if lowered.out_tree not in (jax.tree.structure(tuple(leaves)), jax.tree.structure(leaves)):
-        raise TypeError(
-            f"jax_fn must return a flat tuple or list of arrays (`return (y,)` for one output); "
-            f"it returned the structure {lowered.out_tree}."
-        )
+    if check_flat:
+        leaves = jax.tree.leaves(lowered.out_info)
+        if lowered.out_tree not in (jax.tree.structure(tuple(leaves)), jax.tree.structure(leaves)):
+            raise TypeError(
+                f"jax_fn must return a flat tuple or list of arrays (`return (y,)` for one "
+                f"output); it returned the structure {lowered.out_tree}."
+            )
     name = "bridge_mr_" + re.sub(r"\W", "_", getattr(jax_fn, "__name__", "jax_fn"))
     computation = torch_xla.builder.computation_from_module_proto(name, hlo)
     return torch_xla.builder.xla_computation_as_func(computation, name)
-
-
-def _lowering_mesh(mesh: AbstractMesh | None) -> contextlib.AbstractContextManager[Any]:
-    if mesh is None:
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def _shardings(jaxpr: jax.extend.core.Jaxpr) -> Iterator[NamedSharding]:

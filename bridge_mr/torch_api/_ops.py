@@ -1,4 +1,4 @@
-"""The placement primitives on torch tensors: broadcast, map_fn and the reductions.
+"""The placement operations on torch tensors: broadcast, map_fn and the reductions.
 
 Each accepts pytrees of torch tensors, runs the JAX primitive under the active `program` as one
 compiled, differentiable call, and returns torch tensors. Given no torch tensors, each is the
@@ -39,8 +39,8 @@ _REDUCE_WEIGHTED_MEAN = TorchFunction(
 )
 
 
-#: The torch-level primitives' functions (their trace counts are public via `trace_counts`).
-PRIMITIVES = (_BROADCAST, _MAP_FN, _REDUCE_SUM, _REDUCE_MEAN, _REDUCE_WEIGHTED_MEAN)
+#: The torch functions of the five operations (their trace counts are public: `trace_counts`).
+OPERATIONS = (_BROADCAST, _MAP_FN, _REDUCE_SUM, _REDUCE_MEAN, _REDUCE_WEIGHTED_MEAN)
 
 
 def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:

@@ -1,0 +1,55 @@
+"""One choice per call signature: the runner for a device type, and its tracing context."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from bridge_mr._dtypes import Aval
+
+from . import _dlpack, _xla
+from ._protocols import Program, Runner
+
+
+def runner_for(
+    device_type: str,
+    program: Program,
+    in_avals: Sequence[Aval],
+    n_exported: int,
+    mesh: Mesh | None,
+) -> Runner:
+    """The runner of `program` for tensors of `device_type` ("cpu", "cuda" or "xla").
+
+    Args:
+      device_type: the device type of the call's tensors.
+      program: the jitted program, traced under `trace_context(device_type)`.
+      in_avals: shapes and dtypes of its tensor inputs.
+      n_exported: how many leading outputs come back as torch tensors; the rest are carried.
+      mesh: a multi-device mesh the program shards over (DLPack runner: inputs replicated
+        over it, outputs gathered); None otherwise. The torch-xla runner takes its mesh from
+        the trace context instead.
+
+    Returns:
+      A callable `(tensors, carried) -> (exported tensors, carried values)`.
+
+    Example:
+      >>> run = runner_for("cpu", jax.jit(lambda x: [x + 1]), [((3,), np.dtype("float32"))], 1, None)
+      >>> (y,), carried = run([torch.zeros(3)], [])
+    """
+    if device_type == "xla":
+        return _xla.XlaRunner(program, in_avals, n_exported)
+    return _dlpack.DlpackRunner(program, in_avals, n_exported, mesh)
+
+
+def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The JAX context to trace a program for `device_type` in; its runner lowers in the same.
+
+    On torch-xla: torch-xla's global SPMD mesh as an Auto abstract mesh (unless the caller set
+    a JAX mesh) and GSPMD partitioning. On CPU and CUDA: the caller's context, unchanged.
+    """
+    if device_type == "xla":
+        return _xla.trace_context()
+    return _dlpack.trace_context()

@@ -1,0 +1,225 @@
+"""A call's signature: its flattened arguments, its compile-cache key, and the errors about them.
+
+A call's leaves are split into tensors (traced inputs) and static values (part of the key, see
+`_static`). The key holds, besides the tree structure and static keys, each tensor's type,
+shape, dtype, device, layout and `requires_grad`, torch's grad mode, the active placement, the
+ambient JAX mesh and JAX's trace context (x64, promotion, precision, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh
+
+from bridge_mr import jax_core
+from bridge_mr._compat import jax as jax_compat
+from bridge_mr._compat import torch as torch_compat
+
+from ._static import FunctionIdentity, static_key
+
+_DEVICE_TYPES = ("cpu", "cuda", "xla")
+
+
+class _TensorSlot:
+    """Marks where a tensor sat among a call's leaves (the rest are static values)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+#: The marker standing for a tensor among a call's static leaves.
+TENSOR = _TensorSlot()
+
+
+def call_key(
+    leaves: Sequence[Any], treedef: Any, grad: bool
+) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
+    """The compile-cache key of a call with these flattened leaves, and its tensors in order."""
+    tensors: list[torch.Tensor] = []
+    # A tensor's signature stands where the tensor sat; a static value's key where it did.
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            parts.append(
+                (type(leaf), leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
+            )
+        else:
+            parts.append(static_key(leaf))
+    key = (
+        treedef,
+        tuple(parts),
+        grad,
+        jax_core.current_placement(),
+        jax_core.ambient_mesh(),
+        jax_compat.trace_context(),
+    )
+    return key, tensors
+
+
+def function_identities(key: tuple[Any, ...]) -> list[FunctionIdentity]:
+    """The static functions a key holds by identity (they could not be keyed by value)."""
+    return [part for part in key[1] if isinstance(part, FunctionIdentity)]
+
+
+def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """A call's leaves with each tensor replaced by `TENSOR`."""
+    return tuple(TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+
+
+def mesh_of(static_leaves: Sequence[Any]) -> Mesh | None:
+    """The multi-device mesh a call runs on: a Mesh argument, else the ambient concrete mesh."""
+    for leaf in static_leaves:
+        if isinstance(leaf, Mesh) and leaf.size > 1:
+            return leaf
+    mesh = jax_core.ambient_mesh()
+    return mesh if isinstance(mesh, Mesh) and mesh.size > 1 else None
+
+
+def leaf_paths(treedef: Any, arg_names: Sequence[str]) -> list[str]:
+    """Readable paths ("server['w']", "args[3]") of the leaves of a flattened (args, kwargs)."""
+    marker = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+    paths = [""] * treedef.num_leaves
+    for path, index in jax.tree_util.tree_flatten_with_path(marker)[0]:
+        kind, arg, *rest = path
+        if kind.idx == 1:
+            head = str(arg.key)
+        elif arg.idx < len(arg_names):
+            head = arg_names[arg.idx]
+        else:
+            head = f"args[{arg.idx}]"
+        paths[index] = head + jax.tree_util.keystr(tuple(rest))
+    return paths
+
+
+def check_tensor(name: str, tensor: torch.Tensor, where: str) -> None:
+    """Raises for a tensor no runner can pass to JAX, naming it by `where`."""
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"{name}: {where} is a {str(tensor.layout).removeprefix('torch.')} tensor of "
+            f"shape {tuple(tensor.shape)}; JAX takes dense (strided) tensors only. Convert it "
+            "with .to_dense() first, or pass its parts (indices and values) as dense tensors."
+        )
+    if torch_compat.dispatches_to_python(tensor):
+        raise TypeError(
+            f"{name}: {where} is a {type(tensor).__qualname__}, a tensor subclass with "
+            "__torch_dispatch__: its ops run Python code and its memory need not hold its "
+            "values, so JAX cannot read it. Pass the plain tensors it holds instead."
+        )
+    kind = tensor.device.type
+    if kind == "meta":
+        raise TypeError(
+            f"{name}: {where} is a meta tensor of shape {tuple(tensor.shape)}: it has no "
+            "data to compute with. Materialise it first, e.g. torch.empty_like(t, "
+            "device='cpu'), or model.to_empty(device='cpu') and initialise the parameters."
+        )
+    if kind not in _DEVICE_TYPES:
+        raise TypeError(
+            f"{name}: {where} is on device {tensor.device}; bridge_mr runs JAX on CPU, CUDA "
+            "and torch-xla tensors. Move it with .to('cpu') (or to a CUDA or XLA device) first."
+        )
+
+
+def complex_grad_error(name: str, where: str) -> TypeError:
+    """The error for a complex tensor that requires grad."""
+    return TypeError(
+        f"{name}: {where} is a complex tensor that requires grad; JAX and torch use different "
+        "conventions for complex gradients, so bridge_mr does not differentiate them. Pass "
+        "real and imaginary parts as two real tensors."
+    )
+
+
+def flatten_error(
+    name: str, arg_names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Exception:
+    """The error for arguments JAX cannot flatten: a dict whose keys do not sort."""
+    names = list(arg_names) + [f"args[{i}]" for i in range(len(arg_names), len(args))]
+    roots = [*zip(names, args, strict=False), *((str(k), v) for k, v in kwargs.items())]
+    for root, tree in roots:
+        found = _unsortable_dict(tree, root)
+        if found is not None:
+            path, keys = found
+            listing = ", ".join(f"{k!r} ({type(k).__name__})" for k in keys[:6])
+            return TypeError(
+                f"{name}: {path} is a dict whose keys are of mixed types ({listing}); JAX "
+                "sorts dict keys to flatten a pytree, and these do not sort. Use keys of one "
+                "type, e.g. str: {str(k): v for k, v in d.items()}."
+            )
+    return TypeError(
+        f"{name}: the arguments are not a pytree JAX can flatten; see the error above."
+    )
+
+
+def _unsortable_dict(tree: Any, path: str) -> tuple[str, list[Any]] | None:
+    """The path and keys of the first dict in `tree` whose keys do not sort, if any."""
+    if isinstance(tree, dict):
+        try:
+            sorted(tree)
+        except TypeError:
+            return path, list(tree)
+        children: Any = ((f"{path}[{k!r}]", v) for k, v in tree.items())
+    elif isinstance(tree, (list, tuple)):
+        children = ((f"{path}[{i}]", v) for i, v in enumerate(tree))
+    else:
+        return None
+    for child_path, child in children:
+        found = _unsortable_dict(child, child_path)
+        if found is not None:
+            return found
+    return None
+
+
+def device_error(name: str, tensors: Sequence[torch.Tensor], where: Sequence[str]) -> Exception:
+    """The error for one call's tensors on several devices."""
+    by_device: dict[torch.device, list[str]] = {}
+    for tensor, w in zip(tensors, where, strict=True):
+        by_device.setdefault(tensor.device, []).append(w)
+    listing = "; ".join(f"{device}: {', '.join(ws[:3])}" for device, ws in by_device.items())
+    return ValueError(
+        f"{name} got tensors on different devices in one call ({listing}). One call runs "
+        "on one device: move them with .to(device) first."
+    )
+
+
+def static_error(
+    name: str,
+    arg_names: Sequence[str],
+    treedef: Any,
+    static_leaves: Sequence[Any],
+    tensors: Sequence[torch.Tensor],
+) -> Exception:
+    """The error for a call whose static leaves cannot be keyed (unhashable, arrays)."""
+    paths = leaf_paths(treedef, arg_names)
+    for path, leaf in zip(paths, static_leaves, strict=True):
+        if isinstance(leaf, jax.Array):
+            if tensors:
+                return TypeError(
+                    f"{name} got torch tensors and JAX arrays in one call ({path} is a "
+                    f"jax.Array of shape {leaf.shape}). Pass torch tensors only (convert with "
+                    "bridge_mr.dlpack.to_torch), or call the JAX function directly on JAX arrays."
+                )
+            return TypeError(
+                f"{name} got a jax.Array at {path} but no torch tensors: it is a torch "
+                "function. Call the JAX function directly on JAX arrays, or pass torch tensors."
+            )
+        if isinstance(leaf, np.ndarray):
+            return TypeError(
+                f"{name} got a numpy array at {path}; pass it as a torch tensor "
+                "(torch.from_numpy(x)) so it becomes a traced input."
+            )
+        try:
+            hash(leaf)
+        except TypeError:
+            return TypeError(
+                f"{name}: {path} is a {type(leaf).__name__}, which is neither a torch tensor "
+                "nor hashable. Non-tensor arguments are static (part of the compile key) and "
+                "must be hashable; pass a tensor, or a hashable value such as a tuple."
+            )
+    return TypeError(f"{name}: the call's static arguments are not hashable.")
