@@ -36,7 +36,8 @@ def runner_for(
       A callable `(tensors, carried) -> (exported tensors, carried values)`.
 
     Example:
-      >>> run = runner_for("cpu", jax.jit(lambda x: [x + 1]), [((3,), np.dtype("float32"))], 1, None)
+      >>> f32 = np.dtype("float32")
+      >>> run = runner_for("cpu", jax.jit(lambda x: [x + 1]), [((3,), f32)], 1, None)
       >>> (y,), carried = run([torch.zeros(3)], [])
     """
     if device_type == "xla":
