@@ -20,6 +20,7 @@ def runner_for(
     in_avals: Sequence[Aval],
     n_exported: int,
     mesh: Mesh | None,
+    carried_avals: Sequence[Aval] = (),
 ) -> Runner:
     """The runner of `program` for tensors of `device_type` ("cpu", "cuda" or "xla").
 
@@ -31,6 +32,7 @@ def runner_for(
       mesh: a multi-device mesh the program shards over (DLPack runner: inputs replicated
         over it, outputs gathered); None otherwise. The torch-xla runner takes its mesh from
         the trace context instead.
+      carried_avals: shapes and dtypes of the carried inputs that follow the tensors.
 
     Returns:
       A callable `(tensors, carried) -> (exported tensors, carried values)`.
@@ -41,7 +43,7 @@ def runner_for(
       >>> (y,), carried = run([torch.zeros(3)], [])
     """
     if device_type == "xla":
-        return _xla.XlaRunner(program, in_avals, n_exported)
+        return _xla.XlaRunner(program, [*in_avals, *carried_avals], n_exported)
     return _dlpack.DlpackRunner(program, in_avals, n_exported, mesh)
 
 

@@ -82,6 +82,7 @@ class Backward:
                         traced.cotangent_avals,
                         len(spec.diff),
                         spec.mesh,
+                        carried_avals=traced.extra_avals,
                     )
         return self._runner
 
