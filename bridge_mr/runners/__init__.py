@@ -13,7 +13,7 @@ A program is traced under `trace_context(device_type)` and run by `runner_for(de
 from ._choose import runner_for as runner_for
 from ._choose import trace_context as trace_context
 from ._dlpack import DlpackRunner as DlpackRunner
-from ._protocols import Program as Program
+from ._protocols import Jitted as Jitted
 from ._protocols import Runner as Runner
 from ._xla import XlaRunner as XlaRunner
 from ._xla import call_jax_on_xla as call_jax_on_xla
@@ -23,7 +23,7 @@ from ._xla import torch_xla_global_mesh as torch_xla_global_mesh
 
 __all__ = [
     "DlpackRunner",
-    "Program",
+    "Jitted",
     "Runner",
     "XlaRunner",
     "call_jax_on_xla",

@@ -11,12 +11,12 @@ from jax.sharding import Mesh
 from bridge_mr._dtypes import Aval
 
 from . import _dlpack, _xla
-from ._protocols import Program, Runner
+from ._protocols import Jitted, Runner
 
 
 def runner_for(
     device_type: str,
-    program: Program,
+    jitted: Jitted,
     in_avals: Sequence[Aval],
     n_exported: int,
     mesh: Mesh | None,
@@ -26,7 +26,7 @@ def runner_for(
 
     Args:
       device_type: the device type of the call's tensors.
-      program: the jitted program, traced under `trace_context(device_type)`.
+      jitted: the jitted program, traced under `trace_context(device_type)`.
       in_avals: shapes and dtypes of its tensor inputs.
       n_exported: how many leading outputs come back as torch tensors; the rest are carried.
       mesh: a multi-device mesh the program shards over (DLPack runner: inputs replicated
@@ -43,8 +43,8 @@ def runner_for(
       >>> (y,), carried = run([torch.zeros(3)], [])
     """
     if device_type == "xla":
-        return _xla.XlaRunner(program, [*in_avals, *carried_avals], n_exported)
-    return _dlpack.DlpackRunner(program, in_avals, n_exported, mesh)
+        return _xla.XlaRunner(jitted, [*in_avals, *carried_avals], n_exported)
+    return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh)
 
 
 def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:

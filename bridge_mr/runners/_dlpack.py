@@ -17,7 +17,7 @@ from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval
 from bridge_mr.dlpack import export_arrays, jit_arguments
 
-from ._protocols import Program
+from ._protocols import Jitted
 
 # Small tensors of one dtype cross together in one shared buffer: importing a tensor costs more
 # than copying a small one (benchmarks/results/NOTES.md, "packing").
@@ -48,7 +48,7 @@ class DlpackRunner:
     """Imports tensors without copying (small ones packed per dtype), runs, waits, exports.
 
     Args:
-      program: the jitted program; its inputs are the tensors followed by carried values.
+      jitted: the jitted program; its inputs are the tensors followed by carried values.
       in_avals: shapes and dtypes of the tensor inputs.
       n_exported: how many leading outputs come back as torch tensors; the rest stay JAX
         arrays (carried, e.g. VJP residuals for a later program on this runner).
@@ -57,18 +57,18 @@ class DlpackRunner:
     """
 
     def __init__(
-        self, program: Program, in_avals: Sequence[Aval], n_exported: int, mesh: Mesh | None
+        self, jitted: Jitted, in_avals: Sequence[Aval], n_exported: int, mesh: Mesh | None
     ) -> None:
-        self._program = program
+        self._jitted = jitted
         self._in_avals = list(in_avals)
         self._groups, self._singles = _pack_groups(in_avals)
         self._n_exported = n_exported
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         wrap = self._groups or self._replicated is not None
-        self._run = jax.jit(self._unpacking_program) if wrap else program
+        self._run = jax.jit(self._unpacking) if wrap else jitted
         self._poll = True
 
-    def _unpacking_program(self, *flat: jax.Array) -> list[jax.Array]:
+    def _unpacking(self, *flat: jax.Array) -> list[jax.Array]:
         n_in = len(self._groups) + len(self._singles)
         arrays: list[Any] = [None] * len(self._in_avals)
         for group, buffer in zip(self._groups, flat, strict=False):
@@ -80,7 +80,7 @@ class DlpackRunner:
                 offset += size
         for i, array in zip(self._singles, flat[len(self._groups) : n_in], strict=True):
             arrays[i] = array
-        outputs = self._program(*arrays, *flat[n_in:])
+        outputs = self._jitted(*arrays, *flat[n_in:])
         if self._replicated is None:
             return outputs
         n = self._n_exported

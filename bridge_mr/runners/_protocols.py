@@ -9,7 +9,7 @@ import jax
 import torch
 
 
-class Program(Protocol):
+class Jitted(Protocol):
     """A jitted JAX function over flat arrays returning a flat list of arrays.
 
     Its inputs are torch tensors followed by *carried* values (results of an earlier program

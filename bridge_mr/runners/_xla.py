@@ -35,7 +35,7 @@ from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch_xla as torch_xla_compat
 from bridge_mr._dtypes import Aval, jax_dtype
 
-from ._protocols import Program
+from ._protocols import Jitted
 
 # jax_fn -> {(input signature, JAX's trace context, the caller's JAX mesh, the lowering mesh):
 # embedded computation}. Weak in jax_fn so that functions (and what they close over) can be freed.
@@ -57,13 +57,13 @@ class XlaRunner:
     traced in, so JAX's trace cache serves the lowering: the JAX function is traced once).
 
     Args:
-      program: the jitted program, traced under `trace_context()`.
+      jitted: the jitted program, traced under `trace_context()`.
       in_avals: shapes and dtypes of its inputs (tensors, then carried values).
       n_exported: how many leading outputs are returned as exported; the rest are carried.
     """
 
-    def __init__(self, program: Program, in_avals: Sequence[Aval], n_exported: int) -> None:
-        self._embedded = _embed(program, list(in_avals), check_flat=False)
+    def __init__(self, jitted: Jitted, in_avals: Sequence[Aval], n_exported: int) -> None:
+        self._embedded = _embed(jitted, list(in_avals), check_flat=False)
         self._n_exported = n_exported
 
     def __call__(

@@ -30,8 +30,8 @@ from bridge_mr._dtypes import is_differentiable, torch_dtype
 from ._traced import (
     Outputs,
     TracedCall,
-    backward_program,
     jvp_from_inputs,
+    residual_vjp,
     vjp_from_inputs,
 )
 
@@ -78,7 +78,7 @@ class Backward:
                     spec = traced.spec
                     self._runner = runners.runner_for(
                         spec.device_type,
-                        backward_program(traced),
+                        residual_vjp(traced),
                         traced.cotangent_avals,
                         len(spec.diff),
                         spec.mesh,

@@ -1,7 +1,7 @@
 """The torch.compile path: calls of a compilable torch function as one `torch.library` custom op.
 
-The op `bridge_mr::call_jax(Tensor[] tensors, str program) -> (Tensor[], Tensor[])` names what
-to run in `program`:
+The op `bridge_mr::call_jax(Tensor[] tensors, str target) -> (Tensor[], Tensor[])` names what
+to run in `target`:
 
   "F<uid>"                    forward only;
   "R<uid>:<mask>"             forward that also returns what backward needs (gradients of a
@@ -10,10 +10,10 @@ to run in `program`:
   "B<uid>:<mask>:<inputs>"    the VJP of that forward, on cotangents and residuals; `inputs`
                               spells the forward's input shapes and dtypes.
 
-A name says everything needed to rebuild its traced call, so the traced calls behind compiled
+A target says everything needed to rebuild its traced call, so the traced calls behind compiled
 graphs can be evicted (the cache is bounded) and cleared. Its fake implementation takes output
 shapes and dtypes from the JAX trace (no data needed), so `torch.compile(fullgraph=True)` can
-trace through it; its autograd formula saves the residual tensors and calls the "B" program
+trace through it; its autograd formula saves the residual tensors and calls the "B" target
 (or scales the saved gradients).
 """
 
@@ -36,7 +36,7 @@ from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval, jax_dtype, torch_dtype
 
 from ._autograd import fill_cotangents, scale_gradients, scatter
-from ._traced import TracedCall, backward_program
+from ._traced import TracedCall, residual_vjp
 
 _OP = "bridge_mr::call_jax"
 _MAX_ENTRIES = 256
@@ -57,10 +57,10 @@ _lock = threading.Lock()
 
 
 def register(fn: OpFunction) -> str:
-    """Defines the custom op (once) and returns the uid by which programs name `fn`.
+    """Defines the custom op (once) and returns the uid by which targets name `fn`.
 
     A string, not an int: torch.compile treats int attributes that differ between recompiles
-    as symbolic, and a program name must be a constant.
+    as symbolic, and a target must be a constant.
     """
     _define_op()
     uid = next(_uids)
@@ -99,10 +99,10 @@ def call(fn: Any, uid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     tensors = list(args)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         mask = "".join("1" if t.requires_grad else "0" for t in tensors)
-        program = f"R{uid}:{mask}"
+        target = f"R{uid}:{mask}"
     else:
-        program = f"F{uid}"
-    outputs, _ = torch.ops.bridge_mr.call_jax(tensors, program)
+        target = f"F{uid}"
+    outputs, _ = torch.ops.bridge_mr.call_jax(tensors, target)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
@@ -126,13 +126,13 @@ class _OpEntry:
                     spec = traced.spec
                     n_total = traced.outputs.n_out + len(traced.extra_avals)
                     forward = runners.runner_for(
-                        spec.device_type, traced.program, spec.in_avals, n_total, spec.mesh
+                        spec.device_type, traced.forward, spec.in_avals, n_total, spec.mesh
                     )
                     backward = None
                     if spec.diff and not traced.outputs.fused:
                         backward = runners.runner_for(
                             spec.device_type,
-                            backward_program(traced),
+                            residual_vjp(traced),
                             [*traced.cotangent_avals, *traced.extra_avals],
                             len(spec.diff),
                             spec.mesh,
@@ -142,7 +142,7 @@ class _OpEntry:
 
 
 def _spell(avals: Sequence[Aval]) -> str:
-    """Input shapes and dtypes as program-name text ("float32:2x3;int32:")."""
+    """Input shapes and dtypes as target text ("float32:2x3;int32:")."""
     return ";".join(f"{dtype.name}:{'x'.join(map(str, shape))}" for shape, dtype in avals)
 
 
@@ -206,9 +206,9 @@ def _entry(uid: str, mask: str, in_avals: tuple[Aval, ...], device_type: str) ->
     return entry
 
 
-def _resolve(program: str, tensors: Sequence[torch.Tensor]) -> _OpEntry:
+def _resolve(target: str, tensors: Sequence[torch.Tensor]) -> _OpEntry:
     device_type = tensors[0].device.type if tensors else "cpu"
-    kind, rest = program[0], program[1:]
+    kind, rest = target[0], target[1:]
     if kind == "B":
         uid, mask, spelled = rest.split(":", 2)
         return _entry(uid, mask, _parse(spelled), device_type)
@@ -218,12 +218,12 @@ def _resolve(program: str, tensors: Sequence[torch.Tensor]) -> _OpEntry:
 
 
 def _impl(
-    tensors: list[torch.Tensor], program: str
+    tensors: list[torch.Tensor], target: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    entry = _resolve(program, tensors)
+    entry = _resolve(target, tensors)
     forward, backward = entry.runners()
-    if program[0] == "B":
-        assert backward is not None  # "B" programs are made for unfused entries only
+    if target[0] == "B":
+        assert backward is not None  # "B" targets are made for unfused entries only
         grads, _ = backward(tensors, ())
         return grads, []
     exported, _ = forward(tensors, ())
@@ -232,25 +232,25 @@ def _impl(
 
 
 def _fake(
-    tensors: list[torch.Tensor], program: str
+    tensors: list[torch.Tensor], target: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    traced = _resolve(program, tensors).traced
+    traced = _resolve(target, tensors).traced
     device = tensors[0].device if tensors else torch.device("cpu")
 
     def empty(avals: Sequence[Aval]) -> list[torch.Tensor]:
         return [torch.empty(s, dtype=torch_dtype(d), device=device) for s, d in avals]
 
-    if program[0] == "B":
+    if target[0] == "B":
         return empty(traced.grad_avals), []
     return empty(traced.outputs.avals), empty(traced.extra_avals)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    tensors, program = inputs
+    tensors, target = inputs
     _, extras = output
-    entry = _resolve(program, tensors)
+    entry = _resolve(target, tensors)
     ctx.n_inputs = len(tensors)
-    ctx.program = program
+    ctx.target = target
     ctx.traced = entry.traced
     ctx.save_for_backward(*extras)
 
@@ -261,9 +261,9 @@ def _backward(
     del grad_extras  # Residuals are internal: nothing flows back through them.
     traced: TracedCall = ctx.traced
     name = traced.spec.name
-    if ctx.program[0] != "R":
+    if ctx.target[0] != "R":
         raise RuntimeError(
-            f"{name}: backward through a compilable function's {ctx.program[0]!r} program (its "
+            f"{name}: backward through a compilable function's {ctx.target[0]!r} call (its "
             "forward ran without gradients, or this is a second-order backward). "
             "create_graph=True is not supported on the compilable path; use "
             "torch_function(..., compilable=False) for higher-order gradients."
@@ -278,9 +278,9 @@ def _backward(
     if traced.outputs.fused:
         grads = scale_gradients(extras, cotangents[0], skip_unit=False)
     else:
-        uid, _, mask = ctx.program[1:].partition(":")
-        vjp_program = f"B{uid}:{mask}:{_spell(traced.spec.in_avals)}"
-        grads, _ = torch.ops.bridge_mr.call_jax([*cotangents, *extras], vjp_program)
+        uid, _, mask = ctx.target[1:].partition(":")
+        vjp_target = f"B{uid}:{mask}:{_spell(traced.spec.in_avals)}"
+        grads, _ = torch.ops.bridge_mr.call_jax([*cotangents, *extras], vjp_target)
     return scatter(traced.spec.diff, grads, ctx.n_inputs), None
 
 

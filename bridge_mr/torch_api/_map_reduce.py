@@ -121,7 +121,7 @@ def map_reduce(
     return result
 
 
-def map_reduce_program(
+def map_reduce_jax(
     fn: ClientFn,
     server: PyTree,
     clients: PyTree,
@@ -149,7 +149,7 @@ def map_reduce_program(
 
 
 MAP_REDUCE = TorchFunction(
-    map_reduce_program,
+    map_reduce_jax,
     passthrough_jax=True,
     name="map_reduce",
     arg_names=("fn", "server", "clients", "weights", "reduce", "placement", "mesh"),

@@ -7,7 +7,7 @@ from the trace itself, as a static output of the traced function (`Outputs`), re
 `jax.jit(...).trace(...).out_info`: nothing is stored by mutation, so two threads tracing one
 function under two contexts cannot overwrite each other's facts.
 
-The programs derived from a traced call -- the VJP over its residuals (`backward_program`), the
+The programs derived from a traced call -- the VJP over its residuals (`residual_vjp`), the
 VJP and JVP from the primal inputs (`vjp_from_inputs`, `jvp_from_inputs`) -- are functions of
 the `TracedCall`'s values.
 """
@@ -122,13 +122,13 @@ class Outputs:
 class TracedCall:
     """One call signature, traced: its forward program and what the trace found.
 
-    `program` takes the tensors (as arrays) and returns the output leaves, then the gradients
+    `forward` takes the tensors (as arrays) and returns the output leaves, then the gradients
     (fused) or the VJP residuals; `extra_avals` describe those after the outputs. `counter`
     counts the traces of the programs derived from it too.
     """
 
     spec: CallSpec
-    program: runners.Program
+    forward: runners.Jitted
     outputs: Outputs
     counter: TraceCounter
 
@@ -165,16 +165,16 @@ def trace(spec: CallSpec, counter: TraceCounter) -> TracedCall:
     with runners.trace_context(spec.device_type):
         traced = structured.trace(*_shape_structs(spec.in_avals))
     _, outputs = traced.out_info
-    program = jax.jit(functools.partial(_outputs_of, structured, spec.name, outputs))
-    return TracedCall(spec, program, outputs, counter)
+    forward = jax.jit(functools.partial(_outputs_of, structured, spec.name, outputs))
+    return TracedCall(spec, forward, outputs, counter)
 
 
-def backward_program(call: TracedCall) -> runners.Program:
+def residual_vjp(call: TracedCall) -> runners.Jitted:
     """The jitted VJP over forward's residuals: (float cotangents, residuals) -> gradients."""
-    program = jax.jit(functools.partial(_backward, call))
+    jitted = jax.jit(functools.partial(_backward, call))
     with runners.trace_context(call.spec.device_type):
-        program.trace(*_shape_structs((*call.cotangent_avals, *call.extra_avals)))
-    return program
+        jitted.trace(*_shape_structs((*call.cotangent_avals, *call.extra_avals)))
+    return jitted
 
 
 def vjp_from_inputs(call: TracedCall) -> Callable[[list[jax.Array], list[jax.Array]], Any]:
