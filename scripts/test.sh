@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: builds its own virtual environments, installs the
 # package (not editable, so the installed package is what gets tested) and runs pytest.
-#   .venv      torch==2.13.0 + jax: lint, core, dlpack, torch_api tests
-#   .venv-xla  torch==2.9.0 + torch_xla==2.9.0 + jax + flax: tests marked `xla`
+#   .venv      torch==2.13.0 + jax: lint, core, dlpack, torch_api tests, types
+#   .venv-xla  torch==2.9.0 + torch_xla==2.9.0 + jax + flax: tests marked `xla`, and the compat
+#              layer's fast-path tests on torch 2.9
+# Each environment runs twice: with JAX's 64-bit mode off (the default, as users run JAX), then
+# with BRIDGE_MR_X64=1 the tests marked `x64` only (see tests/conftest.py).
 # Set BRIDGE_MR_SKIP_XLA=1 to run only the main environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +23,22 @@ VENV=${BRIDGE_MR_VENV:-.venv}
 "$VENV"/bin/pip install -q ".[dev,examples,bench]"
 "$VENV"/bin/ruff check .
 "$VENV"/bin/ruff format --check .
-XLA_FLAGS=$MAIN_XLA_FLAGS "$VENV"/bin/pytest -m "not xla" "$@"
+
+# One pytest leg; exit status 5 (no test selected: `scripts/test.sh tests/jax_core` has no
+# x64-marked tests) is not a failure.
+leg() { env "$@" || [ $? = 5 ]; }
+
+leg XLA_FLAGS="$MAIN_XLA_FLAGS" "$VENV"/bin/pytest -m "not xla and not x64" "$@"
+leg XLA_FLAGS="$MAIN_XLA_FLAGS" BRIDGE_MR_X64=1 "$VENV"/bin/pytest -m "x64 and not xla" "$@"
+# Types of bridge_mr/ (configured in pyproject.toml), against this environment's torch and jax.
+"$VENV"/bin/basedpyright --pythonpath "$VENV/bin/python"
 
 if [ "${BRIDGE_MR_SKIP_XLA:-0}" != 1 ]; then
   bash scripts/setup_xla_env.sh
-  PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/pytest -m xla "$@"
+  export PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
+  leg .venv-xla/bin/pytest -m "xla and not x64" "$@"
+  leg BRIDGE_MR_X64=1 .venv-xla/bin/pytest -m "xla and x64" "$@"
+  if [ -d tests/compat ]; then
+    leg .venv-xla/bin/pytest -m "not xla and not x64" tests/compat
+  fi
 fi

@@ -1,4 +1,16 @@
-"""Test-wide configuration: 8 simulated CPU devices, x64, strict promotion, warnings as errors.
+"""Test-wide configuration: 8 simulated CPU devices, strict promotion, warnings as errors.
+
+JAX's 64-bit mode is off, as most users run JAX. `BRIDGE_MR_X64=1` turns it on before any test
+(the one switch: `JAX_ENABLE_X64` is overridden). Tests marked `x64` need it; scripts/test.sh
+runs them in their own leg, in each environment:
+
+    pytest -m "not xla and not x64"                   # .venv, x64 off
+    BRIDGE_MR_X64=1 pytest -m "x64 and not xla"       # .venv, x64 on
+    pytest -m "xla and not x64"                       # .venv-xla, x64 off
+    BRIDGE_MR_X64=1 pytest -m "xla and x64"           # .venv-xla, x64 on
+
+An `x64`-marked test collected with x64 off is skipped, its reason naming BRIDGE_MR_X64=1. A
+test that leaves the process-wide x64 or promotion setting changed fails.
 
 XLA_FLAGS must be set before JAX creates its CPU backend, so this runs at import time of the
 conftest, which pytest loads before any test module.
@@ -8,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 _YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 
@@ -33,12 +46,21 @@ def _append_xla_flags() -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
+def _x64_requested() -> bool:
+    value = os.environ.get("BRIDGE_MR_X64", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"BRIDGE_MR_X64 must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 _append_xla_flags()
+_X64 = _x64_requested()
+_X64_COMMAND = "BRIDGE_MR_X64=1 pytest -m x64"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_enable_x64", _X64)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
@@ -50,17 +72,53 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"bridge_mr from {os.path.dirname(bridge_mr.__file__)}",
         f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}",
         f"XLA_FLAGS={os.environ['XLA_FLAGS']}",
+        f"x64 {'on' if _X64 else 'off'} (BRIDGE_MR_X64={int(_X64)})",
     ]
 
 
+def _has_cuda() -> bool:
+    """Whether torch sees a CUDA GPU and JAX has a GPU backend."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+_MISSING = {
+    "xla": (
+        lambda: importlib.util.find_spec("torch_xla") is None,
+        "needs torch_xla: run scripts/test.sh, which tests it in .venv-xla",
+    ),
+    "x64": (lambda: not _X64, f"needs JAX's 64-bit mode: run {_X64_COMMAND}"),
+    "cuda": (
+        lambda: not _has_cuda(),
+        "needs a CUDA GPU visible to torch and a JAX GPU backend (jax[cuda])",
+    ),
+}
+
+
+@pytest.hookimpl(trylast=True)  # After -m deselects: a GPU is probed only for selected tests.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips `xla`-marked tests where torch_xla is missing (scripts/test.sh runs them)."""
+    """Skips tests marked for an environment this run lacks, saying how to get it.
+
+    The one axis for environments is markers (pyproject.toml lists them): `xla` (torch_xla,
+    installed in .venv-xla), `x64` (BRIDGE_MR_X64=1), `cuda` (a GPU for torch and JAX).
+    """
     del config  # Unused.
-    if importlib.util.find_spec("torch_xla") is not None:
-        return
-    skip = pytest.mark.skip(
-        reason="needs torch_xla: run scripts/test.sh, which tests it in .venv-xla"
-    )
-    for item in items:
-        if item.get_closest_marker("xla") is not None:
-            item.add_marker(skip)
+    for marker, (missing, reason) in _MISSING.items():
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if marked and missing():
+            for item in marked:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _process_wide_jax_config_restored() -> Iterator[None]:
+    """Fails a test that leaves x64 or the promotion mode changed for the tests after it."""
+    yield
+    left = (jax.config.jax_enable_x64, jax.config.jax_numpy_dtype_promotion)
+    assert left == (_X64, "strict"), f"the test left (x64, promotion) = {left}"

@@ -1,4 +1,4 @@
-"""`bridge_mr.clear_caches()`: afterwards bridge_mr keeps no user function or captured value alive."""
+"""`bridge_mr.clear_caches()`: afterwards bridge_mr keeps no user function or captured value."""
 
 from __future__ import annotations
 

@@ -18,8 +18,6 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import bridge_mr
 
-F64 = torch.float64
-
 
 def _loss(params, batch):
     return jnp.mean(jnp.tanh(batch["x"] @ params["w"]) ** 2)
@@ -31,9 +29,7 @@ def _torch_loss(w, x):
 
 def _case(n=4):
     torch.manual_seed(0)
-    return {"w": torch.randn(3, dtype=F64, requires_grad=True)}, {
-        "x": torch.randn(n, 5, 3, dtype=F64)
-    }
+    return {"w": torch.randn(3, requires_grad=True)}, {"x": torch.randn(n, 5, 3)}
 
 
 def _double(x):
@@ -46,7 +42,7 @@ def _double(x):
 def test_zero_clients():
     server, _ = _case()
     with pytest.raises(ValueError, match=r"map_reduce\(clients\): the clients axis is empty "):
-        bridge_mr.map_reduce(_loss, server, {"x": torch.randn(0, 5, 3, dtype=F64)})
+        bridge_mr.map_reduce(_loss, server, {"x": torch.randn(0, 5, 3)})
 
 
 def test_string_leaf_in_server():
@@ -68,7 +64,7 @@ def test_numbers_in_server_are_broadcast_constants():
     out = bridge_mr.map_reduce(
         lambda p, b: _loss(p, b) * p["scale"], {**server, "scale": 2.0}, clients
     )
-    assert_trees_all_close(out, 2 * _torch_loss(server["w"], clients["x"]), rtol=1e-12)
+    assert_trees_all_close(out, 2 * _torch_loss(server["w"], clients["x"]), rtol=1e-5)
 
 
 def test_fn_returning_none():
@@ -97,7 +93,7 @@ def test_torch_operation_inside_fn():
 
 def test_mixed_dict_key_types():
     _, clients = _case()
-    server = {1: torch.ones(3, dtype=F64), "w": torch.ones(3, dtype=F64)}
+    server = {1: torch.ones(3), "w": torch.ones(3)}
     with pytest.raises(
         TypeError, match=r"map_reduce: server is a dict whose keys are of mixed types \(1 \(int\)"
     ):
@@ -130,7 +126,7 @@ def test_sparse_coo_clients():
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_csr_server():
     _, clients = _case()
-    server = {"w": torch.randn(2, 3, dtype=F64).to_sparse_csr()}
+    server = {"w": torch.randn(2, 3).to_sparse_csr()}
     with pytest.raises(TypeError, match=r"server\['w'\] is a sparse_csr tensor"):
         bridge_mr.map_reduce(lambda p, b: jnp.sum(b["x"] @ p["w"].T), server, clients)
 
@@ -227,13 +223,13 @@ def test_bad_weights(weights, message):
         ValueError, match=rf"map_reduce\(weights\): .*{message}.*check_weights=False"
     ):
         bridge_mr.map_reduce(
-            _loss, server, clients, reduce="weighted_mean", weights=torch.tensor(weights, dtype=F64)
+            _loss, server, clients, reduce="weighted_mean", weights=torch.tensor(weights)
         )
 
 
 def test_bad_weights_opt_out_gives_ieee_results():
     server, clients = _case()
-    weights = torch.tensor([1.0, -1.0, 2.0, -2.0], dtype=F64)
+    weights = torch.tensor([1.0, -1.0, 2.0, -2.0])
     out = bridge_mr.map_reduce(
         _loss, server, clients, reduce="weighted_mean", weights=weights, check_weights=False
     )
@@ -242,8 +238,8 @@ def test_bad_weights_opt_out_gives_ieee_results():
 
 def test_tree_weights_summing_to_zero_at_some_positions():
     server, clients = _case()
-    weights = {"a": torch.ones(4, 3, dtype=F64)}
-    weights["a"][:, 1] = torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=F64)
+    weights = {"a": torch.ones(4, 3)}
+    weights["a"][:, 1] = torch.tensor([1.0, -1.0, 0.0, 0.0])
     with pytest.raises(ValueError, match=r"weights\['a'\] sum to zero over the clients at 1 of 3"):
         bridge_mr.map_reduce(
             lambda p, b: {"a": b["x"][0] * p["w"]},
@@ -273,7 +269,7 @@ def test_explicit_mesh_that_does_not_divide_the_clients():
     mesh = jax.make_mesh((8,), ("clients",), axis_types=(AxisType.Explicit,))
     server, _ = _case()
     with pytest.raises(ValueError, match=r"'clients' has size 6.*axis 'clients' of size 8"):
-        bridge_mr.map_reduce(_loss, server, {"x": torch.randn(6, 5, 3, dtype=F64)}, mesh=mesh)
+        bridge_mr.map_reduce(_loss, server, {"x": torch.randn(6, 5, 3)}, mesh=mesh)
 
 
 # --- torch transforms and compilation ---------------------------------------------------------
@@ -285,19 +281,19 @@ def test_fullgraph_compile_points_to_the_compilable_path():
         lambda w: bridge_mr.map_reduce(_loss, {"w": w}, clients), fullgraph=True, backend="eager"
     )
     with pytest.raises(Exception, match=r"torch_function\(jax_fn, compilable=True\)"):
-        compiled(torch.randn(3, dtype=F64))
+        compiled(torch.randn(3))
 
 
 # torch.func.jvp's first use scripts a helper with the deprecated torch.jit.script.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_torch_func_jvp():
     server, clients = _case()
-    w, t = server["w"].detach(), torch.randn(3, dtype=F64)
+    w, t = server["w"].detach(), torch.randn(3)
     out, tangent = torch.func.jvp(
         lambda s: bridge_mr.map_reduce(_loss, {"w": s}, clients), (w,), (t,)
     )
     ref, ref_tangent = torch.func.jvp(lambda s: _torch_loss(s, clients["x"]), (w,), (t,))
-    assert_trees_all_close((out, tangent), (ref, ref_tangent), rtol=1e-10)
+    assert_trees_all_close((out, tangent), (ref, ref_tangent), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
@@ -305,29 +301,29 @@ def test_forward_mode_ad_with_dual_tensors():
     import torch.autograd.forward_ad as fwad
 
     server, clients = _case()
-    w, t = server["w"].detach(), torch.randn(3, dtype=F64)
+    w, t = server["w"].detach(), torch.randn(3)
     _, ref_tangent = torch.func.jvp(lambda s: _torch_loss(s, clients["x"]), (w,), (t,))
     with fwad.dual_level():
         out = bridge_mr.map_reduce(_loss, {"w": fwad.make_dual(w, t)}, clients)
-        assert_trees_all_close(fwad.unpack_dual(out).tangent, ref_tangent, rtol=1e-10)
+        assert_trees_all_close(fwad.unpack_dual(out).tangent, ref_tangent, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("transform", [torch.func.grad, torch.func.vmap])
 def test_torch_func_over_a_compilable_function(transform):
     f = bridge_mr.torch_function(lambda a: jnp.sum(jnp.sin(a)), compilable=True)
     with pytest.raises(NotImplementedError, match=r"is compilable .* without compilable=True"):
-        transform(f)(torch.randn(3, dtype=F64))
+        transform(f)(torch.randn(3))
 
 
 def test_jacrev_explains_and_names_the_function():
     f = bridge_mr.torch_function(jnp.sin)
     with pytest.raises(NotImplementedError, match=r"over the VJP of torch_function\(sin\).*jacrev"):
-        torch.func.jacrev(f)(torch.randn(3, dtype=F64))
+        torch.func.jacrev(f)(torch.randn(3))
 
 
 def test_second_backward_after_an_in_place_change_names_retain_graph():
     f = bridge_mr.torch_function(lambda a: jnp.sum(a**3))
-    a = torch.randn(3, dtype=F64, requires_grad=True)
+    a = torch.randn(3, requires_grad=True)
     b = a * 1
     out = f(b)
     out.backward(retain_graph=True)

@@ -10,26 +10,24 @@ import torch
 
 from bridge_mr.torch_api import map_reduce, torch_function
 
-F64 = torch.float64
-
 
 def _loss(params, batch):
     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
 
 
 def _case(n=3):
-    params = {"w": torch.randn(2, dtype=F64, requires_grad=True)}
-    clients = {"x": torch.randn(n, 4, 2, dtype=F64), "y": torch.randn(n, 4, dtype=F64)}
+    params = {"w": torch.randn(2, requires_grad=True)}
+    clients = {"x": torch.randn(n, 4, 2), "y": torch.randn(n, 4)}
     return params, clients
 
 
 def test_tensors_on_different_devices():
     f = torch_function(lambda a, b: a + b)
-    meta = torch.empty(3, dtype=F64, device="meta")
+    meta = torch.empty(3, device="meta")
     with pytest.raises(
         ValueError, match=r"different devices.*cpu: argument args\[0\].*meta: argument args\[1\]"
     ):
-        f(torch.ones(3, dtype=F64), meta)
+        f(torch.ones(3), meta)
     params, clients = _case()
     clients["y"] = clients["y"].to("meta")
     with pytest.raises(ValueError, match=r"cpu: argument server\['w'\].*meta: argument clients"):
@@ -38,14 +36,14 @@ def test_tensors_on_different_devices():
 
 def test_client_leaves_with_disagreeing_leading_dims():
     params, clients = _case()
-    clients["y"] = torch.randn(4, 4, dtype=F64)
+    clients["y"] = torch.randn(4, 4)
     with pytest.raises(ValueError, match=r"disagree on the number of clients.*3: clients\['x'\]"):
         map_reduce(_loss, params, clients)
 
 
 def test_client_leaf_without_a_clients_axis():
     params, clients = _case()
-    clients["y"] = torch.tensor(1.0, dtype=F64)
+    clients["y"] = torch.tensor(1.0)
     with pytest.raises(ValueError, match=r"clients\['y'\] has shape \(\)"):
         map_reduce(_loss, params, clients)
 
@@ -59,13 +57,13 @@ def test_weights_missing_for_weighted_mean():
 def test_weights_with_the_wrong_shape():
     params, clients = _case()
     with pytest.raises(ValueError, match=r"weights has shape \(4,\); expected .* shape \(3,\)"):
-        map_reduce(_loss, params, clients, reduce="weighted_mean", weights=torch.ones(4, dtype=F64))
+        map_reduce(_loss, params, clients, reduce="weighted_mean", weights=torch.ones(4))
 
 
 def test_weights_given_without_weighted_mean():
     params, clients = _case()
     with pytest.raises(ValueError, match="reduce='mean', which ignores weights"):
-        map_reduce(_loss, params, clients, weights=torch.ones(3, dtype=F64))
+        map_reduce(_loss, params, clients, weights=torch.ones(3))
 
 
 def test_unknown_reduce():
@@ -82,7 +80,7 @@ def test_fn_returning_a_non_array_leaf():
         map_reduce(lambda p, b: {"loss": _loss(p, b), "tag": "client"}, params, clients)
     f = torch_function(lambda x: (x, 1.5))
     with pytest.raises(TypeError, match=r"non-array leaf at output\[1\]: expected a JAX array"):
-        f(torch.ones(2, dtype=F64))
+        f(torch.ones(2))
 
 
 def test_fn_output_tree_changing_between_calls():
@@ -119,6 +117,6 @@ def test_numpy_arrays_and_unhashable_static_values():
 
 def test_complex_tensor_requiring_grad():
     f = torch_function(lambda z: jnp.abs(z))
-    z = torch.ones(2, dtype=torch.complex128, requires_grad=True)
+    z = torch.ones(2, dtype=torch.complex64, requires_grad=True)
     with pytest.raises(TypeError, match="complex tensor that requires grad"):
         f(z)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_trees_all_close
+from helpers.precision import precisions
 
 from bridge_mr.torch_api import torch_function
 
@@ -38,27 +39,28 @@ def _torch_mlp(params, x):
     return hidden @ params["w2"]
 
 
-def _params(seed=0, requires_grad=True):
+def _params(seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     shapes = {"w1": (3, 4), "b1": (4,), "w2": (4, 2)}
     return {
-        k: torch.randn(s, dtype=F64, generator=gen).requires_grad_(requires_grad)
-        for k, s in shapes.items()
+        k: torch.randn(s, dtype=dtype, generator=gen).requires_grad_() for k, s in shapes.items()
     }
 
 
-def test_pytree_values_and_gradients_match_torch():
+@pytest.mark.parametrize(("dtype", "tol"), precisions(float64=1e-12, float32=1e-5))
+def test_pytree_values_and_gradients_match_torch(dtype, tol):
     f = torch_function(_mlp)
-    params, x = _params(), torch.randn(5, 3, dtype=F64)
+    params, x = _params(dtype=dtype), torch.randn(5, 3, dtype=dtype)
     out = f(params, x)
-    cotangent = torch.randn(5, 2, dtype=F64)
+    cotangent = torch.randn(5, 2, dtype=dtype)
     got = torch.autograd.grad(out, list(params.values()), cotangent)
     ref_out = _torch_mlp(params, x)
     want = torch.autograd.grad(ref_out, list(params.values()), cotangent)
-    assert_trees_all_close(out, ref_out, rtol=1e-12, atol=1e-12)
-    assert_trees_all_close(list(got), list(want), rtol=1e-12, atol=1e-12)
+    assert_trees_all_close(out, ref_out, rtol=tol, atol=tol)
+    assert_trees_all_close(list(got), list(want), rtol=tol, atol=tol)
 
 
+@pytest.mark.x64
 def test_gradcheck_and_gradgradcheck_with_residuals():
     f = torch_function(lambda a, b: (jnp.sin(a) * b, jnp.exp(a).sum() * b))
     a = torch.randn(3, dtype=F64, requires_grad=True)
@@ -67,10 +69,11 @@ def test_gradcheck_and_gradgradcheck_with_residuals():
     assert torch.autograd.gradgradcheck(f, (a, b))
 
 
+@pytest.mark.x64
 def test_gradcheck_and_gradgradcheck_of_a_scalar_loss():
     f = torch_function(lambda p, x: jnp.sum(_mlp(p, x) ** 2))
     x = torch.randn(2, 3, dtype=F64)
-    params = _params()
+    params = _params(dtype=F64)
     names = sorted(params)
 
     def loss(*leaves):
@@ -83,35 +86,35 @@ def test_gradcheck_and_gradgradcheck_of_a_scalar_loss():
 
 def test_scaled_scalar_loss_and_hessian_vector_product():
     f = torch_function(lambda w: jnp.sum(jnp.sin(w) ** 3))
-    w = torch.randn(4, dtype=F64, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
     (grad,) = torch.autograd.grad(2.5 * f(w), w, create_graph=True)
-    v = torch.randn(4, dtype=F64)
+    v = torch.randn(4)
     (hvp,) = torch.autograd.grad(grad, w, v)
 
     w_ref = w.detach().clone().requires_grad_()
     (grad_ref,) = torch.autograd.grad(2.5 * (torch.sin(w_ref) ** 3).sum(), w_ref, create_graph=True)
     (hvp_ref,) = torch.autograd.grad(grad_ref, w_ref, v)
-    assert_trees_all_close(grad, grad_ref, rtol=1e-12)
-    assert_trees_all_close(hvp, hvp_ref, rtol=1e-12)
+    assert_trees_all_close(grad, grad_ref, rtol=1e-5)
+    assert_trees_all_close(hvp, hvp_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_non_float_inputs_get_no_gradient_and_int_outputs_are_not_differentiable():
     f = torch_function(lambda x, idx: (x[idx] * 2.0, jnp.argmax(x)))
-    x = torch.randn(5, dtype=F64, requires_grad=True)
-    idx = torch.tensor([0, 3])
+    x = torch.randn(5, requires_grad=True)
+    idx = torch.tensor([0, 3], dtype=torch.int32)  # int64 needs x64.
     values, argmax = f(x, idx)
-    assert argmax.dtype == torch.int64
+    assert argmax.dtype == (torch.int64 if jax.config.jax_enable_x64 else torch.int32)
     assert not argmax.requires_grad
     assert int(argmax) == int(torch.argmax(x))
     values.sum().backward()
-    assert_trees_all_close(x.grad, torch.tensor([2.0, 0, 0, 2.0, 0], dtype=F64))
+    assert_trees_all_close(x.grad, torch.tensor([2.0, 0, 0, 2.0, 0]))
     assert idx.grad is None
 
 
 @pytest.mark.parametrize("scalar", [True, False], ids=["fused", "residuals"])
 def test_retain_graph_and_backward_three_times(scalar):
     f = torch_function(lambda w: jnp.sum(w**2) if scalar else w**2)
-    w = torch.randn(3, dtype=F64, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
     out = f(w)
     loss = out if scalar else out.sum()
     loss.backward(retain_graph=True)
@@ -124,10 +127,10 @@ def test_retain_graph_and_backward_three_times(scalar):
 
 def test_unused_outputs_get_zero_cotangents():
     f = torch_function(lambda a: (a * 2, a * 3))
-    a = torch.randn(3, dtype=F64, requires_grad=True)
+    a = torch.randn(3, requires_grad=True)
     first, _ = f(a)
     first.sum().backward()
-    assert_trees_all_close(a.grad, torch.full((3,), 2.0, dtype=F64))
+    assert_trees_all_close(a.grad, torch.full((3,), 2.0))
 
 
 def test_no_grad_runs_forward_only():
@@ -140,7 +143,7 @@ def test_no_grad_runs_forward_only():
 
     no_vjp.defvjp(fwd, lambda res, g: (g,))
     f = torch_function(no_vjp)
-    x = torch.randn(3, dtype=F64, requires_grad=True)
+    x = torch.randn(3, requires_grad=True)
     with torch.no_grad():
         out = f(x)
     assert not out.requires_grad
@@ -148,20 +151,20 @@ def test_no_grad_runs_forward_only():
     out = f(x.detach())  # Grad mode on, but nothing requires grad.
     assert out.grad_fn is None
     with torch.inference_mode():
-        out = f(torch.ones(3, dtype=F64))
+        out = f(torch.ones(3))
     assert out.is_inference()
-    assert_trees_all_close(out, torch.full((3,), 2.0, dtype=F64))
+    assert_trees_all_close(out, torch.full((3,), 2.0))
     with pytest.raises(AssertionError, match="must not trace a VJP"):
         f(x)
 
 
 def test_one_trace_per_signature():
     f = torch_function(lambda p, x, scale: scale * jnp.sum(_mlp(p, x)))
-    params, x = _params(), torch.randn(5, 3, dtype=F64)
+    params, x = _params(), torch.randn(5, 3)
     for _ in range(5):
         f(params, x, 2.0).backward()
     assert f.trace_count == 1  # A scalar loss: one fused program, no separate VJP.
-    f(params, torch.randn(7, 3, dtype=F64), 2.0)
+    f(params, torch.randn(7, 3), 2.0)
     assert f.trace_count == 2  # New shape.
     f(params, x, 3.0)
     assert f.trace_count == 3  # New static value.
@@ -184,31 +187,32 @@ def test_inplace_mutation_right_after_the_call_is_safe(size):
         return x
 
     f = torch_function(chain)
-    x = torch.randn(size, size, dtype=F64) / size**0.5
+    x = torch.randn(size, size) / size**0.5
     want = chain(jnp.asarray(x.numpy()))
     for _ in range(20):
         source = x.clone()
         out = f(source)
         source.mul_(0)
-        np.testing.assert_allclose(out.numpy(), np.asarray(want), rtol=1e-10, atol=1e-12)
+        # Zeroed inputs would give zeros; float32 compiled vs eager JAX differ by a few ulps.
+        np.testing.assert_allclose(out.numpy(), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_inplace_mutation_after_forward_keeps_first_order_gradients():
     f = torch_function(lambda w, x: jnp.tanh(w * x))
-    w = torch.randn(4, dtype=F64, requires_grad=True)
-    x = torch.randn(4, dtype=F64)
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4)
     x_before, w_before = x.clone(), w.detach().clone()
     out = f(w, x)
     x.mul_(0)
     with torch.no_grad():
         w.mul_(0)
     out.sum().backward()
-    assert_trees_all_close(w.grad, x_before / torch.cosh(w_before * x_before) ** 2, rtol=1e-12)
+    assert_trees_all_close(w.grad, x_before / torch.cosh(w_before * x_before) ** 2, rtol=1e-5)
 
 
 def test_double_backward_refuses_inputs_changed_in_place():
     f = torch_function(lambda w: jnp.sum(w**3))
-    w = torch.randn(3, dtype=F64, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
     loss = f(w)
     with torch.no_grad():
         w.add_(1)
@@ -218,8 +222,8 @@ def test_double_backward_refuses_inputs_changed_in_place():
 
 def test_outputs_never_alias_inputs():
     f = torch_function(lambda a, b: (a, b.reshape(-1), a + 0))
-    a = torch.randn(4, dtype=F64)
-    b = torch.randn(2, 2, dtype=F64)
+    a = torch.randn(4)
+    b = torch.randn(2, 2)
     outs = f(a, b)
     pointers = {a.data_ptr(), b.data_ptr()}
     assert not pointers & {o.data_ptr() for o in outs}
@@ -231,7 +235,7 @@ def test_outputs_never_alias_inputs():
 
 def test_static_arguments_and_keyword_arguments():
     f = torch_function(lambda x, *, power, name: {name: x**power})
-    x = torch.randn(3, dtype=F64)
+    x = torch.randn(3)
     assert_trees_all_close(f(x, power=2, name="sq"), {"sq": x**2})
     assert_trees_all_close(f(x, power=3, name="cube"), {"cube": x**3})
 
@@ -249,7 +253,7 @@ def test_float32_and_float16_tensors():
 @_compile_warnings
 def test_default_path_runs_under_torch_compile():
     f = torch_function(_mlp)
-    params, x = _params(), torch.randn(5, 3, dtype=F64)
+    params, x = _params(), torch.randn(5, 3)
 
     @torch.compile
     def loss(params, x):
@@ -257,7 +261,7 @@ def test_default_path_runs_under_torch_compile():
 
     got = torch.autograd.grad(loss(params, x), list(params.values()))
     want = torch.autograd.grad((_torch_mlp(params, x) ** 2).sum() * 0.5, list(params.values()))
-    assert_trees_all_close(list(got), list(want), rtol=1e-12, atol=1e-12)
+    assert_trees_all_close(list(got), list(want), rtol=1e-5, atol=1e-5)
 
 
 @_compile_warnings
@@ -268,9 +272,9 @@ def test_compilable_path_under_fullgraph_compile(scalar):
         return jnp.sum(y**2) if scalar else (y, jnp.argmax(y, axis=1))
 
     f = torch_function(jax_fn, compilable=True)
-    x = torch.randn(5, 3, dtype=F64)
-    w = torch.randn(3, 2, dtype=F64, requires_grad=True)
-    idx = torch.tensor([0, 2, 4])
+    x = torch.randn(5, 3)
+    w = torch.randn(3, 2, requires_grad=True)
+    idx = torch.tensor([0, 2, 4], dtype=torch.int32)  # int64 needs x64.
 
     def step(x, w, idx):
         out = f(x, w, idx)
@@ -282,15 +286,26 @@ def test_compilable_path_under_fullgraph_compile(scalar):
     y = torch.tanh(x @ w)[idx]
     want_loss = (y**2).sum() * 3 if scalar else (y * 3).sum() + y.argmax(1).sum()
     (want,) = torch.autograd.grad(want_loss, w)
-    assert_trees_all_close(got_loss, want_loss, rtol=1e-12)
-    assert_trees_all_close(got, want, rtol=1e-12)
+    assert_trees_all_close(got_loss, want_loss, rtol=1e-5)
+    assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_compilable_path_gradcheck_and_errors():
-    f = torch_function(lambda a, b: (jnp.sin(a) * b, a + b), compilable=True)
+def _sin_times_and_sum(a, b):
+    return jnp.sin(a) * b, a + b
+
+
+@pytest.mark.x64
+def test_compilable_path_gradcheck():
+    f = torch_function(_sin_times_and_sum, compilable=True)
     a = torch.randn(3, dtype=F64, requires_grad=True)
     b = torch.randn(3, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(f, (a, b))
+
+
+def test_compilable_path_errors():
+    f = torch_function(_sin_times_and_sum, compilable=True)
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="create_graph=True is not supported"):
         torch.autograd.grad(f(a, b)[0].sum(), a, create_graph=True)
     with pytest.raises(TypeError, match="positional arguments only"):
@@ -307,7 +322,7 @@ def test_two_threads_train_two_models_at_once():
         f = torch_function(functools.partial(_loss_with_seed, seed))
         params = _params(seed)
         opt = torch.optim.SGD(params.values(), lr=0.1)
-        x = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(6, 3, generator=torch.Generator().manual_seed(seed))
         for _ in range(steps):
             opt.zero_grad()
             f(params, x).backward()
@@ -322,7 +337,7 @@ def test_two_threads_train_two_models_at_once():
         t.start()
     for t in threads:
         t.join()
-    assert_trees_all_close(threaded, sequential, rtol=1e-12, atol=1e-12)
+    assert_trees_all_close(threaded, sequential, rtol=0, atol=0)
 
 
 def _loss_with_seed(seed, params, x):
@@ -331,7 +346,7 @@ def _loss_with_seed(seed, params, x):
 
 def test_re_created_static_functions_reuse_the_trace():
     f = torch_function(lambda fn, x: fn(x))
-    x = torch.randn(3, dtype=F64)
+    x = torch.randn(3)
     for scale in (2.0, 2.0, 3.0):
         out = f(lambda v, s=scale: v * s, x)  # A new lambda each time.
         assert_trees_all_close(out, scale * x)
@@ -339,7 +354,7 @@ def test_re_created_static_functions_reuse_the_trace():
     for offset in (1.0, 1.0):
         f(functools.partial(jnp.add, offset), x)
     assert f.trace_count == 3
-    captured = torch.ones(3, dtype=F64)
+    captured = torch.ones(3)
     for value in (1.0, 2.0):
         captured.fill_(value)  # A mutable capture: a new lambda over it must trace again.
         assert_trees_all_close(f(lambda v: v + captured.numpy(), x), x + value)
@@ -348,7 +363,7 @@ def test_re_created_static_functions_reuse_the_trace():
 
 def test_torch_func_grad_works_and_vmap_explains():
     f = torch_function(lambda w: jnp.sum(jnp.sin(w) ** 2))
-    w = torch.randn(3, dtype=F64)
-    assert_trees_all_close(torch.func.grad(f)(w), torch.sin(2 * w), rtol=1e-12)
+    w = torch.randn(3)
+    assert_trees_all_close(torch.func.grad(f)(w), torch.sin(2 * w), rtol=1e-5, atol=1e-6)
     with pytest.raises(NotImplementedError, match="Batch inside JAX instead"):
-        torch.func.vmap(torch_function(jnp.sin))(torch.randn(2, 3, dtype=F64))
+        torch.func.vmap(torch_function(jnp.sin))(torch.randn(2, 3))

@@ -9,7 +9,8 @@ values and gradients (of sum(output * cotangent), the cotangent random or exactl
 the server, client and weight leaves that require grad are checked against the same client
 function run in torch, one client at a time, with torch autograd. Three modes: float64 under
 x64 (rtol 1e-10), float32 with x64 off (`jax.enable_x64(False)` around the call and its
-backward; rtol 1e-4) and float32 with x64 on (rtol 1e-4); a leaf matches when
+backward; rtol 1e-4) and float32 with x64 on (rtol 1e-4); the two under x64 are marked `x64`
+and run in the x64 test leg (BRIDGE_MR_X64=1, see tests/conftest.py). A leaf matches when
 |got - want| <= rtol * (max(1, max |want|) + |want|) everywhere. The same cases run through
 `map_reduce`, through `broadcast` / `map_fn` / `reduce_*` under `program`, and through a
 `torch_function` of the JAX-level primitives. Two more tests: results own their memory
@@ -18,8 +19,9 @@ threads tracing and running differently shaped calls at once equal the same call
 
 Every example compiles (its shapes are new), so each test has a fixed seed and a small
 budget, and the client functions are a few module-level ones (keyed by value, so never
-retraced for nothing). The last test, `test_fuzz_summary`, prints the figures (cases,
-mismatches, max abs and normwise rel error, per test and mode) and what the cases covered.
+retraced for nothing). The last test, `test_fuzz_summary` (one per leg), prints the figures
+(cases, mismatches, max abs and normwise rel error, per test and mode) and what the cases
+covered.
 """
 
 from __future__ import annotations
@@ -543,6 +545,14 @@ def check_values_and_grads(
 # The fuzz tests.
 
 
+def _legs(*rows: tuple[str, int, int]) -> list[Any]:
+    """(mode, examples, seed) parameters; the modes under x64 run in the x64 leg."""
+    return [
+        pytest.param(*row, id=row[0], marks=[pytest.mark.x64] if MODES[row[0]].x64 else [])
+        for row in rows
+    ]
+
+
 def _map_reduce(built: Built) -> Any:
     return bridge_mr.map_reduce(
         built.jax_body,
@@ -562,7 +572,8 @@ def _run_map_reduce(case: Case, mode: Mode) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "examples", "seed_value"), [("x64-f64", 50, 1), ("x32-f32", 40, 2), ("x64-f32", 16, 3)]
+    ("mode", "examples", "seed_value"),
+    _legs(("x64-f64", 50, 1), ("x32-f32", 40, 2), ("x64-f32", 16, 3)),
 )
 def test_map_reduce_equals_a_torch_loop(mode, examples, seed_value):
     _fuzz(_run_map_reduce, MODES[mode], examples, seed_value)
@@ -592,7 +603,7 @@ def _run_primitives(case: Case, mode: Mode) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "examples", "seed_value"), [("x64-f64", 12, 4), ("x32-f32", 6, 5)]
+    ("mode", "examples", "seed_value"), _legs(("x64-f64", 12, 4), ("x32-f32", 6, 5))
 )
 def test_torch_level_primitives_equal_a_torch_loop(mode, examples, seed_value):
     _fuzz(_run_primitives, MODES[mode], examples, seed_value)
@@ -607,7 +618,7 @@ def _run_torch_function(case: Case, mode: Mode) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "examples", "seed_value"), [("x64-f64", 15, 6), ("x32-f32", 10, 7)]
+    ("mode", "examples", "seed_value"), _legs(("x64-f64", 15, 6), ("x32-f32", 10, 7))
 )
 def test_torch_function_of_jax_primitives_equals_a_torch_loop(mode, examples, seed_value):
     _fuzz(_run_torch_function, MODES[mode], examples, seed_value)
@@ -707,7 +718,9 @@ _ALIASING_CASES = cases(
 )
 
 
-@pytest.mark.parametrize(("mode", "examples", "seed_value"), [("x64-f64", 8, 8), ("x32-f32", 6, 9)])
+@pytest.mark.parametrize(
+    ("mode", "examples", "seed_value"), _legs(("x64-f64", 8, 8), ("x32-f32", 6, 9))
+)
 def test_results_do_not_alias_inputs_or_each_other(mode, examples, seed_value):
     @seed(seed_value)
     @_fuzz_settings(examples)
@@ -813,8 +826,11 @@ def test_enable_x64_false_reaches_the_bridge():
 # Summary (keep last).
 
 
-def test_fuzz_summary(capsys):
-    """Prints cases, mismatches and the largest errors seen per test kind and mode."""
+@pytest.mark.parametrize("leg", [pytest.param("x64", marks=pytest.mark.x64), "x32"])
+def test_fuzz_summary(leg, capsys):
+    """Prints cases, mismatches and the largest errors seen per test kind and mode (once per
+    test leg: each runs its own modes)."""
+    del leg  # Only selects the leg.
     lines = [
         "bridge_mr fuzz summary (kind, mode: cases, leaves compared, mismatches, max abs/rel):"
     ]

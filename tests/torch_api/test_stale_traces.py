@@ -21,9 +21,8 @@ from helpers import assert_trees_all_close
 
 import bridge_mr
 
-F64 = torch.float64
-W = torch.tensor([1.0, 2.0], dtype=F64)
-CLIENTS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=F64)
+W = torch.tensor([1.0, 2.0])
+CLIENTS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
 
 
 def _grad_step(lr, p, x):
@@ -95,8 +94,8 @@ class Frozen:
 
 def test_re_created_functions_over_values_reuse_their_trace():
     f = bridge_mr.torch_function(lambda fn, x: fn(x))
-    x = torch.ones(2, dtype=F64)
-    frozen = np.arange(2.0)
+    x = torch.ones(2)
+    frozen = np.arange(2.0, dtype=np.float32)
     frozen.flags.writeable = False
     keys = [
         lambda: lambda v: v * 0.5,
@@ -113,7 +112,7 @@ def test_re_created_functions_over_values_reuse_their_trace():
 
 def test_values_that_compare_equal_but_trace_differently_are_told_apart():
     f = bridge_mr.torch_function(lambda fn, x: fn(x))
-    x = torch.ones(1, dtype=F64)
+    x = torch.ones(1)
     for zero, expected in ((0.0, np.inf), (-0.0, -np.inf), (0.0, np.inf)):
         out = f(lambda v, z=zero: 1 / (v * z), x)
         assert out.item() == expected
@@ -128,7 +127,7 @@ def test_same_function_object_reads_state_like_jax_jit():
 
     jitted = jax.jit(scaled)
     f = bridge_mr.torch_function(lambda fn, x: fn(x))
-    x = torch.ones(2, dtype=F64)
+    x = torch.ones(2)
     assert_trees_all_close(f(scaled, x), 2 * x)
     jitted(jnp.ones(2))
     config["scale"] = 3.0
@@ -139,7 +138,7 @@ def test_same_function_object_reads_state_like_jax_jit():
 def test_re_created_mutable_closures_warn_after_a_few_traces():
     f = bridge_mr.torch_function(lambda fn, x: fn(x))
     state = {"scale": 1.0}
-    x = torch.ones(2, dtype=F64)
+    x = torch.ones(2)
 
     def calls(n):
         for i in range(n):
@@ -156,7 +155,7 @@ def test_re_created_mutable_closures_warn_after_a_few_traces():
 
 def test_functions_keyed_by_identity_are_not_kept_forever():
     f = bridge_mr.torch_function(lambda fn, x: fn(x))
-    x = torch.ones(2, dtype=F64)
+    x = torch.ones(2)
     holder = [1.0]
     first = [lambda v: v * holder[0]]
     dead = weakref.ref(first[0])
@@ -185,5 +184,5 @@ def test_new_shapes_of_the_same_function_object_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for k in (2, 3, 4, 5):
-            s = torch.ones(k, dtype=F64, requires_grad=True)
-            bridge_mr.map_reduce(_scaled_by_config, s, torch.ones(5, k, dtype=F64)).backward()
+            s = torch.ones(k, requires_grad=True)
+            bridge_mr.map_reduce(_scaled_by_config, s, torch.ones(5, k)).backward()

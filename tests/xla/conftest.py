@@ -7,13 +7,13 @@ too (and skips their `xla`-marked tests).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from helpers.child import run_python
+
+_CPU_DEVICES = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 
 
 @pytest.fixture(scope="session")
@@ -23,20 +23,6 @@ def xla() -> Any:
     import torch_xla.debug.metrics
 
     return torch_xla
-
-
-def _run_python(args: Sequence[str], cwd: Any) -> str:
-    child = subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert child.returncode == 0, f"exit {child.returncode}:\n{child.stderr[-4000:]}"
-    return child.stdout
 
 
 @pytest.fixture(scope="session")
@@ -53,10 +39,12 @@ def child_stdout(child_cwd: Any) -> Callable[[Sequence[str]], str]:
     child starts in an empty directory and inherits the environment: it imports bridge_mr from
     PYTHONPATH when that is set, else the installed package. A non-zero exit fails the test.
     """
-    return lambda args: _run_python(args, child_cwd)
+    return lambda args: run_python(args, cwd=child_cwd, env=_CPU_DEVICES)
 
 
 @pytest.fixture(scope="session")
 def run_child(child_cwd: Any) -> Callable[[str], Any]:
     """Runs a Python script in a fresh interpreter; returns the JSON of its last output line."""
-    return lambda script: json.loads(_run_python(["-c", script], child_cwd).splitlines()[-1])
+    return lambda script: json.loads(
+        run_python(["-c", script], cwd=child_cwd, env=_CPU_DEVICES).splitlines()[-1]
+    )

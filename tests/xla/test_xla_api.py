@@ -1,7 +1,8 @@
 """The public torch API on torch-xla tensors: the same values and gradients as on CPU tensors.
 
 Every entry point (torch_function, map_reduce, broadcast, map_fn, reduce_*) runs once on CPU
-tensors (the DLPack path) and once on XLA tensors (embedded in torch-xla's graph), in float64.
+tensors (the DLPack path) and once on XLA tensors (embedded in torch-xla's graph), in float32
+(the default leg) and in float64 (the x64 leg).
 """
 
 from __future__ import annotations
@@ -14,32 +15,38 @@ import jax.numpy as jnp
 import pytest
 import torch
 from helpers import assert_trees_all_close
+from helpers.precision import precisions
 from jax.sharding import AbstractMesh, AxisType
 
 import bridge_mr
-from bridge_mr.torch_api._xla_backend import is_xla_tensor, torch_xla_global_mesh
+from bridge_mr.runners import is_xla_tensor, torch_xla_global_mesh
 
 pytestmark = pytest.mark.xla
 
-# Two XLA CPU builds (jaxlib's and torch-xla's) may differ in the last bits of tanh, exp, ...
-TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
+# (dtype, tolerance): two XLA CPU builds (jaxlib's and torch-xla's) may differ in the last bits
+# of tanh, exp, ...
+PRECISIONS = precisions(
+    float64={"rtol": 1e-10, "atol": 1e-12}, float32={"rtol": 1e-5, "atol": 1e-6}
+)
 N_CLIENTS = 3
 
 Tensors = dict[str, torch.Tensor]
 
 
-def _inputs(seed: int = 0) -> tuple[Tensors, Tensors, torch.Tensor]:
-    """Server parameters, client data (3 clients) and client weights, in float64 on CPU."""
+def _inputs(
+    dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[Tensors, Tensors, torch.Tensor]:
+    """Server parameters, client data (3 clients) and client weights, on CPU."""
     gen = torch.Generator().manual_seed(seed)
     server = {
-        "w": torch.randn(4, 3, generator=gen, dtype=torch.float64),
-        "b": torch.randn(3, generator=gen, dtype=torch.float64),
+        "w": torch.randn(4, 3, generator=gen, dtype=dtype),
+        "b": torch.randn(3, generator=gen, dtype=dtype),
     }
     clients = {
-        "x": torch.randn(N_CLIENTS, 5, 4, generator=gen, dtype=torch.float64),
-        "y": torch.randn(N_CLIENTS, 5, 3, generator=gen, dtype=torch.float64),
+        "x": torch.randn(N_CLIENTS, 5, 4, generator=gen, dtype=dtype),
+        "y": torch.randn(N_CLIENTS, 5, 3, generator=gen, dtype=dtype),
     }
-    weights = torch.rand(N_CLIENTS, generator=gen, dtype=torch.float64) + 0.5
+    weights = torch.rand(N_CLIENTS, generator=gen, dtype=dtype) + 0.5
     return server, clients, weights
 
 
@@ -73,7 +80,10 @@ def _run_both(
     return results[0], results[1]
 
 
-def test_torch_function_values_and_gradients_match_cpu(xla: Any) -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), PRECISIONS)
+def test_torch_function_values_and_gradients_match_cpu(
+    xla: Any, dtype: torch.dtype, tolerance: dict[str, float]
+) -> None:
     """Several non-scalar outputs: forward keeps VJP residuals, backward runs the VJP on them."""
 
     @bridge_mr.torch_function
@@ -81,9 +91,9 @@ def test_torch_function_values_and_gradients_match_cpu(xla: Any) -> None:
         hidden = jnp.tanh(x @ params["w"] + params["b"])
         return {"hidden": hidden, "norms": jnp.sum(hidden**2, axis=-1)}
 
-    server, clients, _ = _inputs()
+    server, clients, _ = _inputs(dtype)
     x = clients["x"][0]
-    cotangent = torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(5, 3)
+    cotangent = torch.linspace(-1, 1, 15, dtype=dtype).reshape(5, 3)
 
     def compute(inputs: Any) -> torch.Tensor:
         params, x = inputs
@@ -91,10 +101,13 @@ def test_torch_function_values_and_gradients_match_cpu(xla: Any) -> None:
         return (out["hidden"] * cotangent.to(x.device)).sum() + out["norms"].sum()
 
     cpu, on_xla = _run_both(xla, compute, (server, x))
-    assert_trees_all_close(on_xla, cpu, **TOLERANCE)
+    assert_trees_all_close(on_xla, cpu, **tolerance)
 
 
-def test_compilable_torch_function_matches_cpu(xla: Any) -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), PRECISIONS)
+def test_compilable_torch_function_matches_cpu(
+    xla: Any, dtype: torch.dtype, tolerance: dict[str, float]
+) -> None:
     """The custom-op flavour (residuals cross as tensors), called eagerly on XLA tensors."""
 
     def layer(w: jax.Array, b: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -102,7 +115,7 @@ def test_compilable_torch_function_matches_cpu(xla: Any) -> None:
         return hidden, jnp.sum(hidden**2)
 
     op = bridge_mr.torch_function(layer, compilable=True)
-    server, clients, _ = _inputs()
+    server, clients, _ = _inputs(dtype)
 
     def compute(inputs: Any) -> torch.Tensor:
         w, b, x = inputs
@@ -110,12 +123,15 @@ def test_compilable_torch_function_matches_cpu(xla: Any) -> None:
         return hidden.sum() + norm
 
     cpu, on_xla = _run_both(xla, compute, (server["w"], server["b"], clients["x"][0]))
-    assert_trees_all_close(on_xla, cpu, **TOLERANCE)
+    assert_trees_all_close(on_xla, cpu, **tolerance)
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"), PRECISIONS)
 @pytest.mark.parametrize("reduce", ["mean", "sum", "weighted_mean"])
-def test_map_reduce_values_and_gradients_match_cpu(xla: Any, reduce: str) -> None:
-    server, clients, weights = _inputs()
+def test_map_reduce_values_and_gradients_match_cpu(
+    xla: Any, reduce: str, dtype: torch.dtype, tolerance: dict[str, float]
+) -> None:
+    server, clients, weights = _inputs(dtype)
 
     def compute(inputs: Any) -> torch.Tensor:
         server, clients, weights = inputs
@@ -129,11 +145,14 @@ def test_map_reduce_values_and_gradients_match_cpu(xla: Any, reduce: str) -> Non
         return out["loss"] + out["hidden"].sum()
 
     cpu, on_xla = _run_both(xla, compute, (server, clients, weights))
-    assert_trees_all_close(on_xla, cpu, **TOLERANCE)
+    assert_trees_all_close(on_xla, cpu, **tolerance)
 
 
-def test_placement_primitives_values_and_gradients_match_cpu(xla: Any) -> None:
-    server, clients, weights = _inputs()
+@pytest.mark.parametrize(("dtype", "tolerance"), PRECISIONS)
+def test_placement_primitives_values_and_gradients_match_cpu(
+    xla: Any, dtype: torch.dtype, tolerance: dict[str, float]
+) -> None:
+    server, clients, weights = _inputs(dtype)
     outputs: dict[str, list[torch.Tensor]] = {}
 
     def compute(inputs: Any) -> torch.Tensor:
@@ -150,14 +169,15 @@ def test_placement_primitives_values_and_gradients_match_cpu(xla: Any) -> None:
         return sum(reduced) + placed["b"].sum()
 
     cpu, on_xla = _run_both(xla, compute, (server, clients, weights))
-    assert_trees_all_close(on_xla, cpu, **TOLERANCE)
-    assert_trees_all_close(outputs[str(xla.device())], outputs["cpu"], **TOLERANCE)
+    assert_trees_all_close(on_xla, cpu, **tolerance)
+    assert_trees_all_close(outputs[str(xla.device())], outputs["cpu"], **tolerance)
     assert outputs["cpu"][0].shape == (N_CLIENTS, 4, 3)
 
 
+@pytest.mark.x64
 def test_gradcheck_on_the_xla_device(xla: Any) -> None:
     """Finite differences on XLA itself: residual path, fused scalar path, double backward."""
-    server, clients, _ = _inputs()
+    server, clients, _ = _inputs(torch.float64)
     w, b = (t.to(xla.device()).requires_grad_(True) for t in (server["w"], server["b"]))
     data = {name: t.to(xla.device()) for name, t in clients.items()}
 
@@ -177,9 +197,12 @@ def test_gradcheck_on_the_xla_device(xla: Any) -> None:
     assert torch.autograd.gradgradcheck(round_loss, (w, b), fast_mode=True)
 
 
-def test_hypergradient_through_create_graph_matches_cpu(xla: Any) -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), PRECISIONS)
+def test_hypergradient_through_create_graph_matches_cpu(
+    xla: Any, dtype: torch.dtype, tolerance: dict[str, float]
+) -> None:
     """A gradient step inside the graph (create_graph=True), differentiated again."""
-    server, clients, _ = _inputs()
+    server, clients, _ = _inputs(dtype)
 
     def compute(inputs: Any) -> torch.Tensor:
         server, clients = inputs
@@ -189,7 +212,7 @@ def test_hypergradient_through_create_graph_matches_cpu(xla: Any) -> None:
         return bridge_mr.map_reduce(_client_loss, stepped, clients)
 
     cpu, on_xla = _run_both(xla, compute, (server, clients))
-    assert_trees_all_close(on_xla, cpu, **TOLERANCE)
+    assert_trees_all_close(on_xla, cpu, **tolerance)
 
 
 def test_xla_and_cpu_tensors_in_one_call_are_refused(xla: Any) -> None:

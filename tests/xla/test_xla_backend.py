@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import assert_trees_all_close
 
-from bridge_mr.torch_api._xla_backend import call_jax_on_xla, is_xla_tensor
+from bridge_mr.runners import call_jax_on_xla, is_xla_tensor
 
 pytestmark = pytest.mark.xla
 
@@ -37,11 +37,13 @@ def _mixed(x: jax.Array, n: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
 
 def test_results_match_jax_for_several_dtypes_and_outputs(xla: Any) -> None:
     rng = np.random.default_rng(0)
-    x, n, w = rng.normal(size=(4, 3)), np.arange(8, dtype=np.int32), rng.normal(size=(3, 2))
+    x, w = (rng.normal(size=shape).astype(np.float32) for shape in [(4, 3), (3, 2)])
+    n = np.arange(8, dtype=np.int32)
     got = call_jax_on_xla(_mixed, _to_xla(xla, *map(torch.from_numpy, (x, n, w))))
-    assert [t.dtype for t in got] == [torch.float64, torch.int32, torch.bool]
+    assert [t.dtype for t in got] == [torch.float32, torch.int32, torch.bool]
     assert all(is_xla_tensor(t) for t in got)
-    assert_trees_all_close(got, list(jax.jit(_mixed)(x, n, w)), rtol=1e-12, atol=1e-12)
+    # Two XLA CPU builds (jaxlib's and torch-xla's) may differ in the last bits of tanh.
+    assert_trees_all_close(got, list(jax.jit(_mixed)(x, n, w)), rtol=1e-5, atol=1e-6)
 
 
 def test_accepts_a_jitted_function_returning_a_list(xla: Any) -> None:
@@ -77,16 +79,16 @@ def test_same_function_and_signature_lowers_once_and_compiles_once(xla: Any) -> 
         traces.append(x.shape)
         return (jnp.sin(x) @ w,)
 
-    w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4)
+    w = torch.linspace(-1, 1, 12).reshape(3, 4)
     xla.debug.metrics.clear_all()
     for i in range(5):
-        x = torch.full((2, 3), float(i), dtype=torch.float64)
+        x = torch.full((2, 3), float(i))
         (y,) = call_jax_on_xla(step, _to_xla(xla, x, w))
         xla.sync()
         torch.testing.assert_close(y.cpu(), torch.sin(x) @ w)
     assert traces == [(2, 3)]
     assert _compiles(xla) == 1
-    (y,) = call_jax_on_xla(step, _to_xla(xla, torch.zeros(5, 3, dtype=torch.float64), w))
+    (y,) = call_jax_on_xla(step, _to_xla(xla, torch.zeros(5, 3), w))
     xla.sync()
     assert traces == [(2, 3), (5, 3)]
     assert _compiles(xla) == 2
@@ -140,7 +142,7 @@ def test_vjp_pair_under_torch_autograd_matches_torch_and_compiles_once(xla: Any)
             return tuple(call_jax_on_xla(backward, [*ctx.saved_tensors, cotangent]))
 
     gen = torch.Generator().manual_seed(0)
-    w1, w2, x, y = (torch.randn(shape, generator=gen, dtype=torch.float64) for shape in
+    w1, w2, x, y = (torch.randn(shape, generator=gen) for shape in
                     [(3, 5), (5, 1), (7, 3), (7, 1)])  # fmt: skip
     cpu = [t.clone().requires_grad_(True) for t in (w1, w2, x, y)]
     expected = torch.mean((torch.tanh(cpu[2] @ cpu[0]) @ cpu[1] - cpu[3]) ** 2)
@@ -149,7 +151,9 @@ def test_vjp_pair_under_torch_autograd_matches_torch_and_compiles_once(xla: Any)
     loss = Loss.apply(*on_xla)
     loss.backward()
     xla.sync()
-    assert_trees_all_close([loss, *(t.grad for t in on_xla)], [expected, *(t.grad for t in cpu)])
+    assert_trees_all_close(
+        [loss, *(t.grad for t in on_xla)], [expected, *(t.grad for t in cpu)], rtol=1e-5
+    )
 
     params = [p.detach().requires_grad_(True) for p in _to_xla(xla, w1, w2)]
     data = _to_xla(xla, x, y)
@@ -204,14 +208,11 @@ def test_rejects_outputs_that_are_not_a_flat_sequence(xla: Any) -> None:
 
 def test_64_bit_tensor_without_x64_names_the_setting(xla: Any) -> None:
     (x,) = _to_xla(xla, torch.ones(2, dtype=torch.float64))
-    jax.config.update("jax_enable_x64", False)
-    try:
-        with pytest.raises(
-            TypeError, match=r"tensors\[0\] has dtype torch.float64.*jax_enable_x64"
-        ):
-            call_jax_on_xla(_exp, [x])
-    finally:
-        jax.config.update("jax_enable_x64", True)
+    with (
+        jax.enable_x64(False),
+        pytest.raises(TypeError, match=r"tensors\[0\] has dtype torch.float64.*jax_enable_x64"),
+    ):
+        call_jax_on_xla(_exp, [x])
 
 
 class _SlottedCallable:
@@ -233,7 +234,7 @@ def test_importing_bridge_mr_starts_neither_torch_xla_nor_jax_backends(run_child
         import json, sys
         import torch
         import bridge_mr, bridge_mr.demo
-        from bridge_mr.torch_api._xla_backend import is_xla_tensor
+        from bridge_mr.runners import is_xla_tensor
         from jax._src import xla_bridge
         print(json.dumps([
             is_xla_tensor(torch.ones(2)),

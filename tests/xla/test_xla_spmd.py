@@ -32,10 +32,9 @@ _COMMON = textwrap.dedent(
 
     def inputs():
         gen = torch.Generator().manual_seed(0)
-        server = {"w": torch.randn(4, 3, generator=gen, dtype=torch.float64),
-                  "b": torch.randn(3, generator=gen, dtype=torch.float64)}
-        clients = {"x": torch.randn(8, 5, 4, generator=gen, dtype=torch.float64),
-                   "y": torch.randn(8, 5, 3, generator=gen, dtype=torch.float64)}
+        server = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+        clients = {"x": torch.randn(8, 5, 4, generator=gen),
+                   "y": torch.randn(8, 5, 3, generator=gen)}
         return server, clients
 
     def client_outputs(server, client):
@@ -62,10 +61,9 @@ _SPMD_SCRIPT = (
         import warnings
         from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
         import bridge_mr
-        from bridge_mr.torch_api._xla_backend import torch_xla_global_mesh
+        from bridge_mr.runners import torch_xla_global_mesh
 
         warnings.simplefilter("error")
-        jax.config.update("jax_enable_x64", True)
         spec = torch_xla._XLAC._get_xla_sharding_spec
         device = torch_xla.device()
         mesh = AbstractMesh((4,), ("clients",), axis_types=(AxisType.Auto,))
@@ -137,7 +135,6 @@ _LATE_SCRIPT = (
         from jax.sharding import AbstractMesh, AxisType
         import bridge_mr
 
-        jax.config.update("jax_enable_x64", True)
         spec = torch_xla._XLAC._get_xla_sharding_spec
         server, clients = inputs()
         server = jax.tree.map(lambda t: t.to(torch_xla.device()), server)
@@ -205,10 +202,11 @@ def _check_round(result: dict[str, Any], unsharded: dict[str, Any]) -> None:
     assert placed_spec in SHARDED
     assert per_client_spec in SHARDED
     assert reduced_spec == "{replicated}"
-    tolerance = {"rtol": 1e-12, "atol": 1e-12}
+    # float32, summed over the clients in another order when sharded.
+    tolerance = {"rtol": 1e-5, "atol": 1e-6}
     for name in ("out", "grads", "per_client"):
         values = jax.tree.map(
-            lambda x: torch.tensor(x, dtype=torch.float64),
+            torch.tensor,
             result[name],
             is_leaf=lambda x: isinstance(x, list),
         )
@@ -231,8 +229,8 @@ def test_torch_xla_global_mesh_is_followed_like_a_context_mesh(
     *own_specs, own_values = spmd_run["own_constraint"]
     assert all(s in ("{devices=[4,1]<=[4]}", "{devices=[4,1]0,1,2,3}") for s in own_specs)
     x = common["inputs"]()[1]["x"][:, 0]
-    torch.testing.assert_close(torch.tensor(own_values, dtype=torch.float64), torch.sin(x))
-    grad = torch.tensor(spmd_run["own_constraint_grad"], dtype=torch.float64)
+    torch.testing.assert_close(torch.tensor(own_values), torch.sin(x))
+    grad = torch.tensor(spmd_run["own_constraint_grad"])
     torch.testing.assert_close(grad, 2 * torch.cos(x))
 
 

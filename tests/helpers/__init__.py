@@ -1,4 +1,9 @@
-"""Assertions shared by the test suite."""
+"""Helpers shared by the test suite; `import helpers` imports neither torch nor bridge_mr.
+
+helpers                 assert_trees_all_close
+helpers.precision       precisions(): float64 (x64 leg) and float32 (default leg) params
+helpers.child           run_python(): a script in a fresh interpreter
+"""
 
 from __future__ import annotations
 
