@@ -58,3 +58,18 @@ def test_retrace_block_sees_the_new_learning_rate():
     namespace: dict = {"jax": jax, "jnp": jnp, "torch": torch, "bridge_mr": bridge_mr}
     exec(compile(_block("class Trainer"), "README retrace example", "exec"), namespace)
     torch.testing.assert_close(namespace["second"], namespace["first"] / 10)
+
+
+def test_symbolic_block_runs_for_several_client_counts(capsys):
+    import jax
+    import jax.numpy as jnp
+
+    import bridge_mr
+
+    namespace: dict = {"jax": jax, "jnp": jnp, "bridge_mr": bridge_mr}
+    exec(compile(_block("symbolic_shape"), "README symbolic example", "exec"), namespace)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines  # One line per client count, both the same mean update.
+    for line in lines:
+        values = [float(v) for v in line.strip("[]").split()]
+        assert values == pytest.approx([-0.1] * 3), line
