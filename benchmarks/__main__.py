@@ -4,15 +4,16 @@
 
 Prints a table per case and the targets, and writes results.json, results.md and PNG plots to
 --out (default benchmarks/results, or benchmarks/results/quick with --quick). Run from the
-repository root. XLA_FLAGS gets --xla_cpu_experimental_ynn_fusion_type=-reduce appended before
-JAX is imported (a jaxlib 0.10 CPU slowdown, jax-ml/jax#37465).
+repository root. XLA_FLAGS is set to `bridge_mr.recommended_xla_flags()` before JAX starts a
+backend (on jaxlib >= 0.10 that adds --xla_cpu_experimental_ynn_fusion_type=-reduce, for a CPU
+slowdown: jax-ml/jax#37465); child processes inherit it.
 """
 
 from __future__ import annotations
 
 from . import environment
 
-XLA_FLAGS = environment.configure()  # Before anything imports JAX.
+XLA_FLAGS = environment.configure()  # Before JAX starts a backend.
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -43,9 +44,6 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "scaling": cases_federated.run_scaling,
     "limits": cases_limits.run,
 }
-
-QUICK = harness.TimingPolicy(reps=5, min_reps=2, warmup=1, min_sample_s=0.02, budget_s=3.0)
-FULL = harness.TimingPolicy(reps=11, min_reps=3, warmup=1, min_sample_s=0.05, budget_s=12.0)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -85,6 +83,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--no-xla", action="store_true", help="skip the torch-xla rows")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--sync-dispatch",
+        action="store_true",
+        help="run JAX CPU computations on the calling thread (jax_cpu_enable_async_dispatch="
+        "False): no thread handoff per call",
+    )
     return parser.parse_args(argv)
 
 
@@ -121,7 +125,11 @@ def main(argv: list[str]) -> int:
     """Runs the selected cases and writes the results; returns the exit status."""
     args = _parse(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # drjax logs per trace without a mesh.
-    policy = QUICK if args.quick else FULL
+    if args.sync_dispatch:
+        import jax
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)  # Before the backend starts.
+    policy = harness.QUICK if args.quick else harness.FULL
     if args.reps is not None:
         policy = harness.TimingPolicy(
             reps=args.reps,

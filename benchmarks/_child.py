@@ -2,7 +2,8 @@
 
 Usage: python -m benchmarks._child '{"alternative": ..., "config": {...}, "calls": n}'
 Prints one JSON line {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} (ru_maxrss is in KiB on
-Linux); exits non-zero if the round cannot be built or fails.
+Linux); exits non-zero if the round cannot be built or fails. XLA_FLAGS comes from the parent's
+environment (`environment.configure` there).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import json
 import resource
 import sys
-
-from . import environment
 
 
 def _max_rss_mb() -> float:
@@ -21,7 +20,6 @@ def _max_rss_mb() -> float:
 def main(argv: list[str]) -> int:
     """Runs the spec in argv[0]; returns the exit status."""
     spec = json.loads(argv[0])
-    environment.configure()
     import jax  # noqa: F401  (imported before measuring the import baseline)
     import torch  # noqa: F401
 

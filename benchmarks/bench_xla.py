@@ -1,229 +1,163 @@
-"""FedAvg rounds on a torch-xla device: bridge_mr against pure torch-xla, side by side.
+"""Federated rounds on a torch-xla device: bridge_mr against pure torch-xla, side by side.
 
-Run from the repository root in the torch-xla environment (torch_xla 2.9 aborts on the YNN
-XLA flag the main environment sets, so XLA_FLAGS must not carry it):
+Run from the repository root in the torch-xla environment:
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m benchmarks.bench_xla [--quick] [--clients N]
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m benchmarks.bench_xla [--quick] [--algo fedavg]
+        [--models small] [--clients 8 64]
 
-A round is the demo's FedAvg round (`bridge_mr.demo`): every client runs `local_steps` SGD
-steps on the 64-64-10 MLP from the server parameters, the mean delta is the pseudo-gradient of
-a server SGD step, then `torch_xla.sync()`. `bridge_mr` computes the clients with
-`bridge_mr.map_reduce` (the demo's `BridgeClients`: one JAX program embedded in the lazy
-graph); `torch_xla` with `torch.func.vmap` over `functional_call` (the demo's
-`TorchFuncClients`), traced op by op into the lazy graph every round. Both run on one XLA
-device from the same parameters and batches. After warm-up rounds (which compile), timed
-samples alternate between the two (A B, then B A, ...); a sample is `rounds_per_sample`
-rounds and ends after `torch_xla.sync()` and `xm.wait_device_ops()`.
+The rounds are `workloads`' (`bridge_mr_xla`: `bridge_mr.map_reduce` from torch on the XLA
+device, one JAX program embedded in torch-xla's lazy graph; `torch_xla`: `torch.func.vmap` over
+`functional_call`, traced op by op into the lazy graph every round), timed by the suite's
+harness: `XLA_WARMUP` untimed rounds (the first compiles), then alternatives interleaved, every
+round ended by `torch_xla.sync()` and `xm.wait_device_ops()`. Each row records how many graphs
+each alternative compiled while it was timed (0: every timed round reused a compiled graph).
+
+`python -m benchmarks` gets its torch-xla rows from here: in its own process where torch_xla
+is importable, else from `.venv-xla/bin/python -m benchmarks.bench_xla --spec JSON`, which
+prints them as one JSON line.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import dataclasses
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from . import environment
 
-import torch
+# Where torch_xla is installed this leaves the YNN flag out (torch_xla's XLA aborts on it),
+# also when inherited from a parent that set it.
+environment.configure()
 
-# torch_xla before bridge_mr (which imports JAX), as on TPU.
-import torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as metrics
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
-from bridge_mr.demo import (
-    MLP,
-    BridgeClients,
-    Clients,
-    FederatedDigits,
-    TorchFuncClients,
-    client_batches,
-)
+# torch_xla's runtime before any JAX backend: it must own the device (TPU) first.
+import torch_xla  # noqa: E402
+import torch_xla.debug.metrics as metrics  # noqa: E402
+
+from . import harness, report, workloads  # noqa: E402
+from .workloads import FedConfig  # noqa: E402
 
 BASELINE = "torch_xla"
-IMPLEMENTATIONS = ("bridge_mr", BASELINE)
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundConfig:
-    """One FedAvg round: clients, their local SGD steps, batch size, hidden width, client LR."""
-
-    clients: int = 16
-    local_steps: int = 10
-    batch_size: int = 32
-    hidden: int = 64
-    local_lr: float = 0.3
-
-
-@dataclasses.dataclass(frozen=True)
-class XlaRoundTimes:
-    """Seconds per FedAvg round for each implementation, one entry per timed sample.
-
-    `compiles_while_timing` counts torch-xla compilations during each implementation's timed
-    samples (0 means every timed round reused a compiled graph).
-    """
-
-    config: RoundConfig
-    device: str
-    torch_version: str
-    torch_xla_version: str
-    seconds_per_round: dict[str, list[float]]
-    rounds_per_sample: int
-    compiles_while_timing: dict[str, int]
-
-    def median(self, implementation: str) -> float:
-        """The median seconds per round of `implementation`."""
-        return statistics.median(self.seconds_per_round[implementation])
-
-    @property
-    def ratio(self) -> float:
-        """bridge_mr's median round time over pure torch-xla's (the target is <= 1.0)."""
-        return self.median("bridge_mr") / self.median(BASELINE)
-
-
-def _data(config: RoundConfig, device: torch.device) -> FederatedDigits:
-    """Random inputs shaped like the demo's digits split (88 examples per client)."""
-    gen = torch.Generator().manual_seed(0)
-    per_client = 88
-    labels = torch.randint(0, 10, (config.clients, per_client), generator=gen)
-    data = FederatedDigits(
-        client_x=torch.rand(config.clients, per_client, 64, generator=gen),
-        client_y=torch.nn.functional.one_hot(labels, 10).float(),
-        test_x=torch.rand(1, 64, generator=gen),
-        test_y=torch.zeros(1, dtype=torch.int64),
-    )
-    return data.to(device)
-
-
-def _round(
-    model: torch.nn.Module, clients: Clients
-) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
-    """One FedAvg round on `model` (the demo's `train_fedavg` body, synced); returns the loss."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-
-    def run(batches: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad():
-            update = clients.mean_local_update(dict(model.named_parameters()), batches)
-        for name, p in model.named_parameters():
-            p.grad = -update["delta"][name]
-        optimizer.step()
-        torch_xla.sync()
-        return update["loss"]
-
-    return run
-
-
-def measure_fedavg_round(
-    config: RoundConfig | None = None,
-    *,
-    warmup: int = 8,
-    samples: int = 10,
-    rounds_per_sample: int = 3,
-) -> XlaRoundTimes:
-    """Times the FedAvg round of both implementations on the XLA device, interleaved.
-
-    Args:
-      config: the round (default: the demo's, `RoundConfig()`).
-      warmup: untimed rounds per implementation first. The first two compile; pure torch-xla
-        may compile once more for one of the 4 batches the rounds cycle through.
-      samples: timed samples per implementation.
-      rounds_per_sample: rounds in one timed sample.
-
-    Returns:
-      Seconds per round of every sample, per implementation.
-    """
-    config = config or RoundConfig()
-    device = torch_xla.device()
-    data = _data(config, device)
-    batches = list(
-        client_batches(
-            data, rounds=4, batch_size=config.batch_size, local_steps=config.local_steps, seed=0
-        )
-    )
-    torch_xla.sync()
-    torch.manual_seed(0)
-    initial = MLP(hidden=config.hidden).to(device)
-    rounds = {}
-    for name in IMPLEMENTATIONS:
-        model = copy.deepcopy(initial)
-        clients: Clients = (
-            BridgeClients(local_lr=config.local_lr)
-            if name == "bridge_mr"
-            else TorchFuncClients(model, local_lr=config.local_lr)
-        )
-        rounds[name] = _round(model, clients)
-    for run in rounds.values():
-        for index in range(warmup):
-            run(batches[index % len(batches)]).item()
-    xm.wait_device_ops()
-    done = dict.fromkeys(IMPLEMENTATIONS, warmup)  # rounds so far: the next batch to use
-    compiles = dict.fromkeys(IMPLEMENTATIONS, 0)
-    seconds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
-    for sample in range(samples):
-        order = IMPLEMENTATIONS if sample % 2 == 0 else IMPLEMENTATIONS[::-1]
-        for name in order:
-            compiled = _compile_count()
-            start = time.perf_counter()
-            for index in range(done[name], done[name] + rounds_per_sample):
-                rounds[name](batches[index % len(batches)])
-            xm.wait_device_ops()
-            seconds[name].append((time.perf_counter() - start) / rounds_per_sample)
-            compiles[name] += _compile_count() - compiled
-            done[name] += rounds_per_sample
-    return XlaRoundTimes(
-        config=config,
-        device=str(device),
-        torch_version=torch.__version__,
-        torch_xla_version=torch_xla.__version__,
-        seconds_per_round=seconds,
-        rounds_per_sample=rounds_per_sample,
-        compiles_while_timing=compiles,
-    )
+#: Untimed rounds first: the first round compiles, and pure torch-xla sometimes compiles a
+#: second graph in a later early round (seen in round 2 and in round 4).
+XLA_WARMUP = 3
 
 
 def _compile_count() -> int:
-    return metrics.metric_data("CompileTime")[0]
+    """torch-xla's compilations so far in this process (its metric is None before the first)."""
+    data = metrics.metric_data("CompileTime")
+    return 0 if data is None else data[0]
 
 
-def format_table(result: XlaRoundTimes) -> str:
-    """The two implementations side by side: median and minimum per round, ratio."""
-    config = result.config
-    lines = [
-        f"FedAvg round on {result.device} (torch {result.torch_version}, torch_xla "
-        f"{result.torch_xla_version}): {config.clients} clients x {config.local_steps} local "
-        f"SGD steps, batch {config.batch_size}, MLP 64-{config.hidden}-10",
-        f"{'implementation':<14}  {'median':>10}  {'min':>10}  {'vs torch_xla':>12}  "
-        "compiles while timing",
-    ]
-    for name in IMPLEMENTATIONS:
-        times = result.seconds_per_round[name]
-        lines.append(
-            f"{name:<14}  {result.median(name) * 1e3:>7.2f} ms  {min(times) * 1e3:>7.2f} ms  "
-            f"{result.median(name) / result.median(BASELINE):>11.2f}x  "
-            f"{result.compiles_while_timing[name]}"
+class _CompileLedger:
+    """torch-xla compilations per alternative during its timed calls (after its warm-up).
+
+    The harness runs one call at a time and syncs it before the next begins, so compilations
+    between the start of one call and the start of the next belong to the first.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self._warmup = warmup
+        self._calls: dict[str, int] = {}
+        self._open: tuple[str, int] | None = None
+        self.compiles: dict[str, int] = {}
+
+    def wrap(self, name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """`fn`, counted under `name`."""
+        self.compiles[name] = 0
+
+        def call() -> Any:
+            self.close()
+            self._calls[name] = self._calls.get(name, 0) + 1
+            self._open = (name, _compile_count())
+            return fn()
+
+        return call
+
+    def close(self) -> None:
+        """Books the compilations of the call in progress (call it once timing is done)."""
+        if self._open is not None:
+            name, start = self._open
+            if self._calls[name] > self._warmup:
+                self.compiles[name] += _compile_count() - start
+            self._open = None
+
+
+def measure(configs: list[FedConfig], policy: harness.TimingPolicy) -> dict[str, Any]:
+    """bridge_mr on torch-xla against pure torch-xla, one interleaved comparison per config.
+
+    Warms up at least `XLA_WARMUP` rounds per alternative, whatever `policy` says.
+
+    Returns:
+      {"rows": [row], "torch", "torch_xla", "device", "xla_flags"}; each row's params hold
+      the config and "compiles_while_timing" per alternative (0: every timed round reused a
+      compiled graph).
+    """
+    import torch
+
+    policy = dataclasses.replace(policy, warmup=max(policy.warmup, XLA_WARMUP))
+    rows = []
+    for cfg in configs:
+        row_id = f"{cfg.row_id}/xla"
+        print(f"  torch-xla {row_id}", file=sys.stderr)
+        ledger = _CompileLedger(policy.warmup)
+        built = {name: workloads.build(name, cfg) for name in workloads.XLA_ALTERNATIVES}
+        counted = {
+            name: fn if isinstance(fn, str) else ledger.wrap(name, fn) for name, fn in built.items()
+        }
+        comparison = harness.compare(counted, baseline=BASELINE, policy=policy)
+        ledger.close()
+        params = {**cfg.params(), "compiles_while_timing": ledger.compiles}
+        rows.append(
+            report.comparison_row(
+                comparison, row_id, params, metrics={"client_updates_per_s": cfg.clients}
+            )
         )
-    lines.append(
-        f"bridge_mr / pure torch-xla = {result.ratio:.2f}x (target <= 1.0x); "
-        f"{len(result.seconds_per_round[BASELINE])} interleaved samples of "
-        f"{result.rounds_per_sample} rounds each"
+    return {
+        "rows": rows,
+        "torch": torch.__version__,
+        "torch_xla": torch_xla.__version__,
+        "device": str(torch_xla.device()),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Runs the comparison; prints a table, or with --spec one JSON line. Returns 0."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_xla", description=(__doc__ or "").splitlines()[0]
     )
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> XlaRoundTimes:
-    """Runs the benchmark from the command line; prints and returns the timings."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
-    parser.add_argument("--clients", type=int, default=RoundConfig.clients)
-    parser.add_argument("--local-steps", type=int, default=RoundConfig.local_steps)
-    parser.add_argument("--hidden", type=int, default=RoundConfig.hidden)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, 8 clients")
+    parser.add_argument("--algo", choices=["fedsgd", "fedavg"], default="fedavg")
+    parser.add_argument("--models", nargs="+", choices=list(workloads.MODELS), default=["small"])
+    parser.add_argument("--clients", nargs="+", type=int, metavar="N", help="default: 8 64")
+    parser.add_argument("--spec", help="JSON from `python -m benchmarks` (prints JSON)")
     args = parser.parse_args(argv)
-    config = RoundConfig(clients=args.clients, local_steps=args.local_steps, hidden=args.hidden)
-    result = measure_fedavg_round(config, samples=3 if args.quick else 10)
-    print(format_table(result), flush=True)
-    return result
+    if args.spec is not None:
+        spec = json.loads(args.spec)
+        configs = [FedConfig(**fields) for fields in spec["configs"]]
+        print(json.dumps(measure(configs, harness.TimingPolicy(**spec["policy"]))))
+        return 0
+    clients = args.clients or ([8] if args.quick else [8, 64])
+    configs = [FedConfig(args.algo, model, c) for model in args.models for c in clients]
+    result = measure(configs, harness.QUICK if args.quick else harness.FULL)
+    compiles = (f"{row['id']} {row['params']['compiles_while_timing']}" for row in result["rows"])
+    case = report.CaseResult(
+        name="xla",
+        title=f"{args.algo} rounds on {result['device']}: bridge_mr vs pure torch-xla",
+        unit="time per round; (x) = ratio to torch_xla; client updates/s",
+        rows=result["rows"],
+        notes=[
+            f"torch {result['torch']}, torch_xla {result['torch_xla']}, XLA_FLAGS "
+            f"{result['xla_flags']!r}; compilations while timing: " + ", ".join(compiles)
+        ],
+    )
+    print(report.case_markdown(case), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -21,51 +21,51 @@ def _label(n_bytes: int) -> str:
     return f"{n_bytes // KIB} KiB" if n_bytes < KIB * KIB else f"{n_bytes // (KIB * KIB)} MiB"
 
 
-def _paths(tensors: list[Any], arrays: list[Any]) -> dict[str, dict[str, Callable[[], Any]]]:
+def exchange_rows(
+    ctx: harness.Context, tensors: list[Any], name: str, bar: Any = None
+) -> list[dict[str, Any]]:
+    """Two rows, "import/<name>" and "export/<name>": `tensors` into JAX, and back.
+
+    The export side converts as many fresh outputs of a jitted function (what the bridge
+    exports in practice) of the same shapes, on the same device.
+    """
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
 
     from bridge_mr import dlpack
 
-    return {
-        "import": {
-            "bridge_mr": lambda: dlpack.import_tensors(tensors),
-            "public dlpack": lambda: [jax.dlpack.from_dlpack(t) for t in tensors],
-            "numpy copy": lambda: [jnp.asarray(t.numpy()) for t in tensors],
-        },
-        "export": {
-            "bridge_mr": lambda: dlpack.export_arrays(arrays),
-            "public dlpack": lambda: [torch.from_dlpack(a) for a in arrays],
-            "numpy copy": lambda: [torch.from_numpy(np.array(a)) for a in arrays],
-        },
-    }
+    arrays = [jax.jit(lambda x: x + 1)(a) for a in dlpack.import_tensors(tensors)]
+    rows = []
+    for direction, paths in workloads.dlpack_paths(tensors, arrays).items():
+        if bar is not None:
+            bar.set_postfix_str(f"{direction} {name}")
+        comparison = harness.compare(paths, baseline="public dlpack", policy=ctx.policy)
+        rows.append(
+            report.comparison_row(
+                comparison,
+                f"{direction}/{name}",
+                {
+                    "direction": direction,
+                    "tensors": len(tensors),
+                    "bytes_per_tensor": tensors[0].numel() * tensors[0].element_size(),
+                    "device": str(tensors[0].device),
+                },
+                metrics={"tensors_per_s": len(tensors)},
+            )
+        )
+        if bar is not None:
+            bar.update()
+    return rows
 
 
 def _per_tensor_rows(ctx: harness.Context, bar: Any) -> list[dict[str, Any]]:
-    import jax
     import torch
 
     sizes = [(1, KIB), (32, KIB), (1, KIB * KIB), (1, (16 if ctx.quick else 64) * KIB * KIB)]
     rows = []
     for count, n_bytes in sizes:
         tensors = [torch.randn(n_bytes // 4) for _ in range(count)]
-        # Fresh outputs of a jit: what the bridge exports in practice.
-        arrays = [jax.jit(lambda x: x + 1)(jax.numpy.asarray(t.numpy())) for t in tensors]
-        for direction, paths in _paths(tensors, arrays).items():
-            bar.set_postfix_str(f"{direction} {count} x {_label(n_bytes)}")
-            comparison = harness.compare(paths, baseline="public dlpack", policy=ctx.policy)
-            name = f"{count} x {_label(n_bytes)}" if count > 1 else _label(n_bytes)
-            rows.append(
-                report.comparison_row(
-                    comparison,
-                    f"{direction}/{name}",
-                    {"direction": direction, "tensors": count, "bytes_per_tensor": n_bytes},
-                    metrics={"tensors_per_s": count},
-                )
-            )
-            bar.update()
+        name = f"{count} x {_label(n_bytes)}" if count > 1 else _label(n_bytes)
+        rows += exchange_rows(ctx, tensors, name, bar)
     return rows
 
 

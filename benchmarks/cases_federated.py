@@ -14,24 +14,12 @@ import subprocess
 import sys
 from typing import Any
 
-from . import environment, harness, report, workloads
+from . import harness, report, workloads
 from .environment import LoadMeter
 from .workloads import FedConfig
 
 BASELINE = "drjax"
 XLA_PYTHON = os.path.join(harness.PACKAGE_ROOT, ".venv-xla", "bin", "python")
-
-
-def _row_id(cfg: FedConfig) -> str:
-    return f"{cfg.algo}/{cfg.model}/c{cfg.clients}"
-
-
-def _params(cfg: FedConfig) -> dict[str, Any]:
-    return {
-        **dataclasses.asdict(cfg),
-        "steps_per_client": cfg.steps,
-        "n_params": workloads.n_params(cfg.widths),
-    }
 
 
 def _baseline(ctx: harness.Context) -> str:
@@ -59,7 +47,7 @@ def measure_configs(
     steps = len(configs) + len(alternatives) * sum(memory)
     with harness.progress(steps, desc) as bar:
         for cfg, with_memory in zip(configs, memory, strict=True):
-            bar.set_postfix_str(_row_id(cfg))
+            bar.set_postfix_str(cfg.row_id)
             built = {
                 name: workloads.build(name, cfg)
                 if cfg.clients <= (max_clients or {}).get(name, cfg.clients)
@@ -70,13 +58,13 @@ def measure_configs(
             del built  # Frees the rounds' buffers before the next config.
             row = report.comparison_row(
                 comparison,
-                _row_id(cfg),
-                _params(cfg),
+                cfg.row_id,
+                cfg.params(),
                 metrics={"client_updates_per_s": cfg.clients},
             )
             bar.update()
             for name in alternatives if with_memory else ():
-                bar.set_postfix_str(f"{_row_id(cfg)} peak RSS of {name}")
+                bar.set_postfix_str(f"{cfg.row_id} peak RSS of {name}")
                 if comparison.ok(name):
                     spec = {"alternative": name, "config": dataclasses.asdict(cfg)}
                     row["alternatives"][name]["memory"] = harness.peak_rss(spec, calls=1)
@@ -208,9 +196,8 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
 def xla_rows(
     ctx: harness.Context, configs: list[FedConfig], case: report.CaseResult
 ) -> list[dict[str, Any]]:
-    """torch-xla rows for the small model up to 64 clients and the medium one at 8 or fewer.
-
-    --quick: the first FedAvg one only.
+    """torch-xla rows (`bench_xla.measure`) for the small model up to 64 clients and the medium
+    one at 8 or fewer. --quick: the first FedAvg one only.
 
     Runs in this process if torch_xla is importable here, else in a child process of
     `.venv-xla/bin/python` when that exists; otherwise adds a note and returns no rows.
@@ -218,22 +205,22 @@ def xla_rows(
     chosen = [cfg for cfg in configs if cfg.clients <= (64 if cfg.model == "small" else 8)]
     if ctx.quick:
         chosen = [cfg for cfg in chosen if cfg.algo == "fedavg"][:1]
-        if not chosen:
-            return []
-    spec = {
-        "configs": [dataclasses.asdict(cfg) for cfg in chosen],
-        "policy": dataclasses.asdict(ctx.policy),
-        "demo_round": case.name == "fedavg",
-    }
+    if not chosen:
+        return []
     if _has_torch_xla():
-        result = run_xla_spec(spec)
+        from . import bench_xla
+
+        result = bench_xla.measure(chosen, ctx.policy)
     elif os.path.exists(XLA_PYTHON):
-        env = {**os.environ, "PJRT_DEVICE": "CPU"}
+        spec = {
+            "configs": [dataclasses.asdict(cfg) for cfg in chosen],
+            "policy": dataclasses.asdict(ctx.policy),
+        }
         print(f"{case.name}: torch-xla rows in {XLA_PYTHON} ...", file=sys.stderr)
         done = subprocess.run(
-            [XLA_PYTHON, "-m", "benchmarks._xla_child", json.dumps(spec)],
+            [XLA_PYTHON, "-m", "benchmarks.bench_xla", "--spec", json.dumps(spec)],
             cwd=harness.PACKAGE_ROOT,
-            env=env,
+            env={**os.environ, "PJRT_DEVICE": "CPU"},
             stdout=subprocess.PIPE,
             text=True,
             check=False,
@@ -247,13 +234,13 @@ def xla_rows(
         return []
     rows = result["rows"]
     case.notes.append(
-        f"torch-xla rows (suffix /xla): torch {result['torch']}, torch_xla "
-        f"{result['torch_xla']} on {result['device']} (PJRT_DEVICE=CPU), XLA_FLAGS "
-        f"{result['xla_flags']!r} (torch_xla's XLA rejects {environment.YNN_FLAG}); a separate "
-        "process unless run in that environment; its alternatives are interleaved with each "
-        "other only, baseline torch_xla (pure torch-xla: torch.func.vmap + functional_call on "
-        "the XLA device). Only the small model up to 64 clients and the medium one at 8 "
-        "(time budget)."
+        f"torch-xla rows (suffix /xla, `python -m benchmarks.bench_xla`): torch {result['torch']}, "
+        f"torch_xla {result['torch_xla']} on {result['device']} (PJRT_DEVICE=CPU), XLA_FLAGS "
+        f"{result['xla_flags']!r} (bridge_mr.recommended_xla_flags leaves the YNN flag out "
+        "where torch_xla is installed: its XLA aborts on it); a separate process unless run in "
+        "that environment; its alternatives are interleaved with each other only, baseline "
+        "torch_xla (pure torch-xla: torch.func.vmap + functional_call on the XLA device). Only "
+        "the small model up to 64 clients and the medium one at 8 (time budget)."
     )
     for row in rows:
         entry = row["alternatives"].get("bridge_mr_xla", {})
@@ -276,79 +263,3 @@ def _has_torch_xla() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torch_xla") is not None
-
-
-def _demo_round_row(policy: harness.TimingPolicy) -> dict[str, Any]:
-    """The demo's FedAvg round on torch-xla, timed by `bench_xla.measure_fedavg_round`."""
-    names = {"bridge_mr": "bridge_mr_xla", "torch_xla": "torch_xla"}
-    try:
-        from . import bench_xla
-    except ImportError as err:
-        error = {"error": f"benchmarks.bench_xla cannot be imported: {err}"}
-        return {
-            "id": "fedavg/demo/xla",
-            "params": {},
-            "baseline": "torch_xla",
-            "alternatives": {name: error for name in names.values()},
-        }
-    rounds_per_sample = 3
-    result = bench_xla.measure_fedavg_round(
-        samples=policy.reps, rounds_per_sample=rounds_per_sample
-    )
-    comparison = harness.Comparison(
-        "torch_xla",
-        {
-            names[name]: harness.Timing(samples=list(seconds), number=rounds_per_sample)
-            for name, seconds in result.seconds_per_round.items()
-        },
-    )
-    params = {
-        **dataclasses.asdict(result.config),
-        "compiles_while_timing": result.compiles_while_timing,
-        "timed_by": "benchmarks.bench_xla.measure_fedavg_round (A B, B A samples)",
-    }
-    return report.comparison_row(
-        comparison,
-        f"fedavg/demo/c{result.config.clients}/xla",
-        params,
-        metrics={"client_updates_per_s": result.config.clients},
-    )
-
-
-def run_xla_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """bridge_mr on torch-xla against pure torch-xla for the spec's configs.
-
-    With `spec["demo_round"]`, adds the demo's FedAvg round (64-64-10 MLP) as timed by the
-    torch-xla backend's own benchmark, `benchmarks.bench_xla`.
-
-    Returns:
-      {"rows": [row], "torch", "torch_xla", "device", "xla_flags"}.
-    """
-    import torch
-    import torch_xla
-
-    policy = harness.TimingPolicy(**spec["policy"])
-    rows = []
-    for fields in spec["configs"]:
-        cfg = FedConfig(**fields)
-        print(f"  torch-xla {_row_id(cfg)}", file=sys.stderr)
-        built = {name: workloads.build(name, cfg) for name in workloads.XLA_ALTERNATIVES}
-        comparison = harness.compare(built, baseline="torch_xla", policy=policy)
-        rows.append(
-            report.comparison_row(
-                comparison,
-                f"{_row_id(cfg)}/xla",
-                _params(cfg),
-                metrics={"client_updates_per_s": cfg.clients},
-            )
-        )
-    if spec["demo_round"]:
-        print("  torch-xla: the demo's FedAvg round (benchmarks.bench_xla)", file=sys.stderr)
-        rows.append(_demo_round_row(policy))
-    return {
-        "rows": rows,
-        "torch": torch.__version__,
-        "torch_xla": torch_xla.__version__,
-        "device": str(torch_xla.device()),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }

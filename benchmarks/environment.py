@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import resource
@@ -11,30 +10,17 @@ import time
 from importlib import metadata
 from typing import Any
 
-#: jaxlib 0.10 CPU: YNNPACK reduce fusion slows scan-of-vmap gradients (jax-ml/jax#37465).
-YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
-
 
 def configure() -> str:
-    """Sets XLA_FLAGS for this process and its children; returns it.
+    """Sets this process's (and its children's) XLA_FLAGS to `bridge_mr.recommended_xla_flags()`.
 
-    Appends `YNN_FLAG` (unless that flag is set) where jaxlib >= 0.10; older jaxlibs abort on
-    it. Where torch_xla is installed, removes it instead: torch_xla 2.9's own XLA parses
-    XLA_FLAGS too and aborts on a flag it does not know. Takes effect only if it runs before
-    JAX creates its CPU backend (before `import jax` is safest).
+    Call it before JAX's first computation: XLA reads XLA_FLAGS when JAX starts its first
+    backend. Returns the flags.
     """
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    name = YNN_FLAG.split("=", 1)[0]
-    if importlib.util.find_spec("torch_xla") is not None:
-        flags = [flag for flag in flags if flag.split("=", 1)[0] != name]
-    elif _jaxlib_version() >= (0, 10) and not any(f.split("=", 1)[0] == name for f in flags):
-        flags.append(YNN_FLAG)
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    from bridge_mr import recommended_xla_flags
+
+    os.environ["XLA_FLAGS"] = recommended_xla_flags()
     return os.environ["XLA_FLAGS"]
-
-
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
 
 
 def _cpu_model() -> str:
@@ -101,6 +87,7 @@ def machine() -> dict[str, Any]:
         "numpy": _version("numpy"),
         "bridge_mr_commit": _git_commit(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax_cpu_async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch")),
     }
 
 
@@ -148,6 +135,7 @@ def describe(info: dict[str, Any]) -> str:
             f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
             f"jax {info['jax']} / jaxlib {info['jaxlib']} on {', '.join(info['jax_devices'])}, "
             f"drjax {info['drjax']}, numpy {info['numpy']}, bridge_mr @ {info['bridge_mr_commit']}",
-            f"XLA_FLAGS={info['xla_flags']}",
+            f"XLA_FLAGS={info['xla_flags']}; JAX CPU dispatch "
+            f"{'asynchronous' if info['jax_cpu_async_dispatch'] else 'synchronous'}",
         ]
     )

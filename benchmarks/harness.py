@@ -1,5 +1,8 @@
 """Measurement: interleaved timed repetitions, synced clocks, peak RSS of a fresh child process.
 
+The suite's only timing loop: every case and every `python -m benchmarks.*` entry point times
+through `compare`, so all their numbers mean the same thing.
+
 Every alternative of a comparison is a zero-argument callable that does one unit of work (one
 round, one call) and returns its results. The clock stops only after those results are synced:
 JAX arrays are blocked on, torch-xla tensors are synced and waited for, CUDA is synchronised
@@ -143,6 +146,11 @@ class TimingPolicy:
     warmup: int
     min_sample_s: float
     budget_s: float
+
+
+#: The ~2-minute run (`--quick`) and the full run.
+QUICK = TimingPolicy(reps=5, min_reps=2, warmup=1, min_sample_s=0.02, budget_s=3.0)
+FULL = TimingPolicy(reps=11, min_reps=3, warmup=1, min_sample_s=0.05, budget_s=12.0)
 
 
 def compare(

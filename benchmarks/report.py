@@ -120,13 +120,15 @@ def versus(row: dict[str, Any], name: str, reference: str) -> str:
     if a is None or b is None:
         return ""
     sign = "+" if a >= b else "-"
-    return f"{name} {_time(a)} vs {reference} {_time(b)} ({sign}{_time(abs(a - b))})"
+    difference = format_time(abs(a - b))
+    return f"{name} {format_time(a)} vs {reference} {format_time(b)} ({sign}{difference})"
 
 
-def _time(seconds: float) -> str:
-    if seconds >= 1:
+def format_time(seconds: float) -> str:
+    """`seconds` in s, ms or µs, whichever reads best."""
+    if abs(seconds) >= 1:
         return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
+    if abs(seconds) >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} µs"
 
@@ -149,7 +151,7 @@ def _cell(entry: dict[str, Any]) -> str:
             f"{c['imports']} imports, {c['exports']} exports, {c['copies']} copies, "
             f"{c['bytes_copied']:,} bytes copied"
         )
-    text = _time(entry["median_s"])
+    text = format_time(entry["median_s"])
     spread = entry["q3_s"] - entry["q1_s"]
     if entry["median_s"] > 0:
         text += f" ±{50 * spread / entry['median_s']:.0f}%"

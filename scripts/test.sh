@@ -11,9 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-# jaxlib 0.10 on CPU: YNNPACK reduce fusion is slow (jax#37465). Main environment only:
-# torch_xla 2.9's XLA aborts on this flag, so the XLA run must not inherit it.
-MAIN_XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_experimental_ynn_fusion_type=-reduce"
+# XLA_FLAGS: tests/conftest.py applies bridge_mr.recommended_xla_flags() (the jaxlib 0.10 CPU
+# workaround in the main environment, never where torch_xla is installed).
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 VENV=${BRIDGE_MR_VENV:-.venv}
@@ -28,8 +27,8 @@ VENV=${BRIDGE_MR_VENV:-.venv}
 # x64-marked tests) is not a failure.
 leg() { env "$@" || [ $? = 5 ]; }
 
-leg XLA_FLAGS="$MAIN_XLA_FLAGS" "$VENV"/bin/pytest -m "not xla and not x64" "$@"
-leg XLA_FLAGS="$MAIN_XLA_FLAGS" BRIDGE_MR_X64=1 "$VENV"/bin/pytest -m "x64 and not xla" "$@"
+leg "$VENV"/bin/pytest -m "not xla and not x64" "$@"
+leg BRIDGE_MR_X64=1 "$VENV"/bin/pytest -m "x64 and not xla" "$@"
 # Types of bridge_mr/ (configured in pyproject.toml), against this environment's torch and jax.
 "$VENV"/bin/basedpyright --pythonpath "$VENV/bin/python"
 

@@ -22,28 +22,17 @@ import importlib.util
 import os
 from collections.abc import Iterator
 
-_YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+from bridge_mr import recommended_xla_flags
+
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(part) for part in version("jaxlib").split(".")[:2])
-
-
-def _append_xla_flags() -> None:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    wanted = {"--xla_force_host_platform_device_count": "8"}
-    if importlib.util.find_spec("torch_xla") is not None:
-        # torch_xla 2.9's own XLA aborts the process on this flag, which it does not know.
-        flags = [flag for flag in flags if flag.split("=", 1)[0] != _YNN_FLAG]
-    elif _jaxlib_version() >= (0, 10):
-        # jaxlib 0.10 CPU: YNNPACK reduce fusion slows scan-of-vmap gradients (jax#37465).
-        # Older jaxlibs do not know the flag and abort on it.
-        wanted[_YNN_FLAG] = "-reduce"
-    present = {flag.split("=", 1)[0] for flag in flags}
-    flags += [f"{name}={value}" for name, value in wanted.items() if name not in present]
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+def _configure_xla_flags() -> None:
+    """8 simulated CPU devices (unless XLA_FLAGS sets a count) and bridge_mr's recommended flags."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not any(flag.split("=", 1)[0] == _DEVICE_COUNT for flag in flags.split()):
+        flags = f"{flags} {_DEVICE_COUNT}=8".strip()
+    os.environ["XLA_FLAGS"] = recommended_xla_flags(flags)
 
 
 def _x64_requested() -> bool:
@@ -53,7 +42,7 @@ def _x64_requested() -> bool:
     return value == "1"
 
 
-_append_xla_flags()
+_configure_xla_flags()
 _X64 = _x64_requested()
 _X64_COMMAND = "BRIDGE_MR_X64=1 pytest -m x64"
 

@@ -35,10 +35,6 @@ class FederatedDigits:
         """The number of training examples each client holds."""
         return self.client_x.shape[1]
 
-    def to(self, device: torch.device | str) -> FederatedDigits:
-        """The same data on `device`."""
-        return FederatedDigits(*(t.to(device) for t in dataclasses.astuple(self)))
-
 
 def load_federated_digits(
     n_clients: int, *, seed: int = 0, test_fraction: float = 0.2
@@ -74,7 +70,7 @@ def load_federated_digits(
         client_x=torch.from_numpy(x_train[client_index]),
         client_y=torch.from_numpy(one_hot[client_index]),
         test_x=torch.from_numpy(x_test),
-        test_y=torch.from_numpy(y_test.astype(np.int64)),
+        test_y=torch.from_numpy(np.asarray(y_test, dtype=np.int64)),
     )
 
 

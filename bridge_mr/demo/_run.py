@@ -58,6 +58,17 @@ def run_demo(
     """Trains the same initial MLP with FedSGD and FedAvg, by bridge_mr and the baseline.
 
     Prints (through `echo`) a header, one summary line per training run and a final table.
+
+    Args:
+      config: clients, rounds per algorithm, seed, and whether to run the torch baseline.
+      show_progress: a progress bar per training run (on stderr, when it is a terminal).
+      echo: where the printed lines go.
+
+    Returns:
+      Every training run (FedSGD, then FedAvg; bridge_mr, then the baseline) and the time.
+
+    Raises:
+      ValueError: `config.clients` is not between 1 and 718 (two non-empty shards each).
     """
     start = time.perf_counter()
     data = load_federated_digits(config.clients, seed=config.seed)
@@ -67,9 +78,13 @@ def run_demo(
     fedsgd = FedSGDConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     fedavg = FedAvgConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     n_params = sum(p.numel() for p in initial.parameters())
+    digits = (data.client_y.sum(dim=1) > 0).sum(dim=-1)
+    fewest, most = int(digits.min()), int(digits.max())
     echo(
         f"data: scikit-learn digits, {data.n_clients} clients x {data.per_client} examples "
-        f"(label-skewed: 2 label-sorted shards each), {len(data.test_y)} held-out test examples"
+        f"(label-skewed: 2 label-sorted shards each, so each client holds "
+        f"{fewest if fewest == most else f'{fewest} to {most}'} of the 10 digits), "
+        f"{len(data.test_y)} held-out test examples"
     )
     echo(
         f"model: MLP 64-64-10 ({n_params:,} parameters); torch {torch.__version__}, "
@@ -91,17 +106,22 @@ def run_demo(
     ]
     if config.baseline:
         implementations.append(lambda model: TorchFuncClients(model, local_lr=LOCAL_LR))
+    trainers: list[Callable[[torch.nn.Module, Clients], PhaseResult]] = [
+        lambda model, clients: train_fedsgd(
+            model, data, clients, fedsgd, show_progress=show_progress
+        ),
+        lambda model, clients: train_fedavg(
+            model, data, clients, fedavg, show_progress=show_progress
+        ),
+    ]
     phases = []
-    for algorithm, train, algorithm_config in (
-        ("FedSGD", train_fedsgd, fedsgd),
-        ("FedAvg", train_fedavg, fedavg),
-    ):
+    for train in trainers:
         for make_clients in implementations:
             model = copy.deepcopy(initial)
             clients = make_clients(model)
-            result = train(model, data, clients, algorithm_config, show_progress=show_progress)
+            result = train(model, clients)
             echo(
-                f"  {algorithm} {clients.name:<10} test accuracy {result.accuracy:6.1%}  "
+                f"  {result.algorithm} {clients.name:<10} test accuracy {result.accuracy:6.1%}  "
                 f"final loss {result.losses[-1]:.4f}  {result.seconds:6.2f} s"
             )
             phases.append(result)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Protocol, TypedDict
 
 import torch
 from torch import nn
@@ -20,7 +21,14 @@ from ._clients import client_loss, local_sgd
 from ._data import FederatedDigits, client_batches
 from ._model import accuracy
 
-Tensors = dict[str, torch.Tensor]
+Tensors = Mapping[str, torch.Tensor]
+
+
+class LocalUpdate(TypedDict):
+    """What the clients' local training returns: their mean delta and mean local loss."""
+
+    delta: dict[str, torch.Tensor]
+    loss: torch.Tensor
 
 
 class Clients(Protocol):
@@ -32,10 +40,8 @@ class Clients(Protocol):
         """The clients' mean loss; differentiable with respect to `params`."""
         ...
 
-    def mean_local_update(
-        self, params: Tensors, batches: Tensors
-    ) -> dict[str, Tensors | torch.Tensor]:
-        """{"delta": the clients' mean local-SGD delta, "loss": their mean local loss}."""
+    def mean_local_update(self, params: Tensors, batches: Tensors) -> LocalUpdate:
+        """The clients' mean local-SGD delta and their mean local loss."""
         ...
 
 
@@ -52,10 +58,8 @@ class BridgeClients:
         """The clients' mean loss; differentiable with respect to `params`."""
         return bridge_mr.map_reduce(client_loss, params, batch)
 
-    def mean_local_update(
-        self, params: Tensors, batches: Tensors
-    ) -> dict[str, Tensors | torch.Tensor]:
-        """{"delta": the clients' mean local-SGD delta, "loss": their mean local loss}."""
+    def mean_local_update(self, params: Tensors, batches: Tensors) -> LocalUpdate:
+        """The clients' mean local-SGD delta and their mean local loss."""
         return bridge_mr.map_reduce(self._local_sgd, params, batches)
 
 

@@ -1,4 +1,4 @@
-"""Every alternative of a federated benchmark round computes the same round."""
+"""Every alternative of a federated round computes the same round; the overhead contestants run."""
 
 from __future__ import annotations
 
@@ -41,3 +41,15 @@ def test_alternatives_compute_the_same_round(workloads: ModuleType, algo: str) -
     assert moved > 1e-3  # The round changed the parameters, so agreement means something.
     for params in rounds.values():
         assert_trees_all_close(params, reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["map_reduce", "torch_function"])
+def test_overhead_contestants_run(workloads: ModuleType, kind: str) -> None:
+    contestants = (
+        workloads.map_reduce_contestants(3, 4, 5)
+        if kind == "map_reduce"
+        else workloads.torch_function_contestants(4, 5)
+    )
+    assert len(contestants) == 4
+    for fn in contestants.values():
+        assert fn() is None  # Each waits for its own results: nothing for the harness to sync.
