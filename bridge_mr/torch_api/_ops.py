@@ -46,7 +46,8 @@ OPERATIONS = (_BROADCAST, _MAP_FN, _REDUCE_SUM, _REDUCE_MEAN, _REDUCE_WEIGHTED_M
 def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
     """Places every leaf of `x` at the active placement: a new leading axis of its size.
 
-    Torch tensors in, torch tensors out (differentiable); see `bridge_mr.jax_core.broadcast`.
+    Torch tensors in, torch tensors out (differentiable). `bridge_mr.broadcast` documents the
+    arguments, result and errors; this is what it calls once torch is imported.
     """
     return _BROADCAST(x, mesh=mesh)
 
@@ -55,24 +56,32 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
     """Applies the JAX function `fn` to each slice of `arg` along the placement axis.
 
     A tuple `arg` is unpacked into positional arguments. Torch tensors in, torch tensors out
-    (differentiable); see `bridge_mr.jax_core.map_fn`.
+    (differentiable). `bridge_mr.map_fn` documents the arguments, result and errors; this is
+    what it calls once torch is imported.
     """
     return _MAP_FN(fn, arg, mesh=mesh)
 
 
 def reduce_sum(x: PyTree) -> PyTree:
-    """Sums every leaf of the placed value `x` over its leading placement axis."""
+    """Sums every leaf of the placed value `x` over its leading placement axis.
+
+    The torch-level `bridge_mr.reduce_sum` (documented there).
+    """
     return _REDUCE_SUM(x)
 
 
 def reduce_mean(x: PyTree) -> PyTree:
-    """Averages every leaf of the placed value `x` over its leading placement axis."""
+    """Averages every leaf of the placed value `x` over its leading placement axis.
+
+    The torch-level `bridge_mr.reduce_mean` (documented there).
+    """
     return _REDUCE_MEAN(x)
 
 
 def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
     """The weighted mean sum(x·w) / sum(w) over the placement axis, leaf by leaf.
 
-    `w` is one placed array (shape [n]) used for every leaf, or a pytree shaped like `x`.
+    `w` is one placed array (shape [n]) used for every leaf, or a pytree shaped like `x`. The
+    torch-level `bridge_mr.reduce_weighted_mean` (documented there).
     """
     return _REDUCE_WEIGHTED_MEAN(x, w)
