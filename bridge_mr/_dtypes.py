@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import torch
@@ -193,7 +193,7 @@ def torch_dtype(dtype: np.dtype | type) -> torch.dtype:
 
 def is_differentiable(dtype: np.dtype | type) -> bool:
     """Whether values of this JAX dtype carry gradients between torch and JAX (real floats)."""
-    return bool(jax.dtypes.issubdtype(dtype, np.floating))
+    return jnp.issubdtype(dtype, np.floating)
 
 
 def x64_error(where: str, dtype: torch.dtype, *, downcast_option: str | None = None) -> TypeError:

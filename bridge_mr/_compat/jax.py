@@ -134,4 +134,5 @@ def fresh_handle(array: jax.Array) -> jax.Array:
     `ArrayImpl._fully_replicated_shard()`, which builds no Shard objects (unlike the public
     `array.addressable_data(0)`); jax 0.10.2.
     """
-    return array._fully_replicated_shard()  # type: ignore[attr-defined]
+    # A method of jaxlib's C++ ArrayImpl, which jax's stub of `jax.Array` does not declare.
+    return array._fully_replicated_shard()  # pyright: ignore[reportAttributeAccessIssue]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import jaxlib
-from jax._src.lib import _jax
+import jaxlib._jax as _jax
+import jaxlib.version
 from jax._src.lib import jaxlib_extension_version as _EXTENSION_VERSION
 
 __all__ = ["DL_CPU", "DL_CUDA", "EXTENSION_VERSION", "array_to_capsule", "capsule_to_array"]
@@ -22,8 +22,8 @@ EXTENSION_VERSION = 467
 if _EXTENSION_VERSION < EXTENSION_VERSION:
     raise ImportError(
         f"bridge_mr.dlpack needs jaxlib 0.10.2 or newer (DLPack extension version >= "
-        f"{EXTENSION_VERSION}); the installed jaxlib {jaxlib.__version__} has extension version "
-        f'{_EXTENSION_VERSION}. Fix: pip install -U "jax>=0.10.2" "jaxlib>=0.10.2".'
+        f"{EXTENSION_VERSION}); the installed jaxlib {jaxlib.version.__version__} has extension "
+        f'version {_EXTENSION_VERSION}. Fix: pip install -U "jax>=0.10.2" "jaxlib>=0.10.2".'
     )
 
 DL_CPU = 1  # DLDeviceType.kDLCPU
@@ -36,7 +36,7 @@ _to_capsule = _jax.buffer_to_dlpack_managed_tensor
 def capsule_to_array(capsule: Any, device: Any, stream: int | None, dl_device_type: int) -> Any:
     """Wraps a DLPack capsule as a `jax.Array` on `device`, sharing its memory.
 
-    `jax._src.lib._jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, None,
+    `jaxlib._jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, None,
     dl_device_type)`, what `jax.dlpack.from_dlpack` calls after its argument checks. It aliases
     compact tensors whose start is 64-byte aligned (on CPU), and copies silently otherwise:
     callers pass only such tensors. jaxlib 0.10.2.
@@ -56,7 +56,7 @@ def capsule_to_array(capsule: Any, device: Any, stream: int | None, dl_device_ty
 def array_to_capsule(array: Any, stream: int | None) -> Any:
     """A DLPack capsule sharing a single-device `jax.Array`'s buffer.
 
-    `jax._src.lib._jax.buffer_to_dlpack_managed_tensor`, what `jax.Array.__dlpack__` calls.
+    `jaxlib._jax.buffer_to_dlpack_managed_tensor`, what `jax.Array.__dlpack__` calls.
     The capsule holds `array` itself: calling `array.delete()` while the capsule's tensor lives
     aborts the process (a jaxlib CHECK), so export a fresh handle (`fresh_handle`) of any array
     someone else may delete. jaxlib 0.10.2.

@@ -6,12 +6,13 @@ Imports torch only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
+import torch._C._functorch as _functorch
+import torch._C._nn
 import torch.autograd.forward_ad as _forward_ad
-from torch._C import _functorch
 
 __all__ = [
     "autograd_apply",
@@ -35,7 +36,7 @@ functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transf
 #: `torch._C._nn.flatten_dense_tensors`: one new contiguous 1-D tensor holding the given
 #: tensors' values one after the other (what `torch.nn.utils.parameters_to_vector` does,
 #: without the per-tensor Python loop). torch 2.9 - 2.13.
-flatten_dense_tensors: Callable[[Sequence[torch.Tensor]], torch.Tensor] = (
+flatten_dense_tensors: Callable[[list[torch.Tensor]], torch.Tensor] = (
     torch._C._nn.flatten_dense_tensors
 )
 
@@ -101,7 +102,8 @@ def autograd_apply(function_cls: type[torch.autograd.Function]) -> Callable[...,
             f"autograd_apply(function_cls) expects a torch.autograd.Function subclass, got "
             f"{function_cls!r}. Fix: pass the class itself, e.g. autograd_apply(MyFunction)."
         )
-    c_apply = super(torch.autograd.Function, function_cls).apply  # torch._C._FunctionBase.apply
+    # torch._C._FunctionBase.apply; torch's stub of `_FunctionBase` declares no `apply`.
+    c_apply: Callable[..., Any] = cast(Any, super(torch.autograd.Function, function_cls)).apply
     python_apply = function_cls.apply
     unwrap = _unwrap_if_dead
     tensor = _Tensor

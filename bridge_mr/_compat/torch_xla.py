@@ -6,6 +6,7 @@ Checked on torch_xla 2.9.0 with torch 2.9.0. Importing this module never imports
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, NamedTuple
 
 __all__ = ["INSTALL_HINT", "TorchXla", "import_torch_xla"]
@@ -45,11 +46,13 @@ def import_torch_xla() -> TorchXla:
     """
     if _TORCH_XLA:
         return _TORCH_XLA[0]
+    # By name: torch_xla is installed in the torch-xla environment only, so the type checker
+    # (run in the main one) cannot resolve it.
     try:
-        import torch_xla._internal.jax_workarounds as workarounds
-        import torch_xla.core.xla_builder as builder
-        import torch_xla.distributed.spmd as spmd
-        import torch_xla.runtime as runtime
+        workarounds = importlib.import_module("torch_xla._internal.jax_workarounds")
+        builder = importlib.import_module("torch_xla.core.xla_builder")
+        spmd = importlib.import_module("torch_xla.distributed.spmd")
+        runtime = importlib.import_module("torch_xla.runtime")
     except ImportError as error:
         raise ImportError(
             f"bridge_mr's torch-xla backend needs torch_xla, which is not importable ({error}). "

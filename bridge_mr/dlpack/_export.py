@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import torch
 
 from bridge_mr._compat import jax as _jax_compat

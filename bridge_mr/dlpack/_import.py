@@ -18,7 +18,7 @@ the JAX array keeps the torch storage alive and vice versa.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -96,7 +96,7 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def jit_arguments(tensors: Sequence[torch.Tensor]) -> list[jax.Array | np.ndarray]:
+def jit_arguments(tensors: Sequence[torch.Tensor]) -> Sequence[jax.Array | np.ndarray]:
     """Arguments for a jitted JAX call, sharing the tensors' memory: `import_tensors`, faster.
 
     While JAX's default device is a CPU device, a contiguous, 64-byte aligned CPU tensor of a
@@ -146,13 +146,22 @@ def _numpy_goes_to_cpu() -> bool:
     return _runtime.default_platform() == "cpu"
 
 
+class _TransferGuardConfig(Protocol):
+    jax_transfer_guard_host_to_device: str | None
+
+
+# jax registers its options as properties of `jax.config`'s class at run time: that class, as
+# jax declares it, has none of them.
+_JAX_CONFIG = cast(_TransferGuardConfig, jax.config)
+
+
 def _host_transfers_guarded() -> bool:
     """Whether a `jax.transfer_guard` watches host-to-device transfers in this thread.
 
     jit counts a numpy argument as such a transfer even where it shares memory; a DLPack import
     shares memory without counting as one, so a guarded call takes that path.
     """
-    return jax.config.jax_transfer_guard_host_to_device not in (None, "allow")
+    return _JAX_CONFIG.jax_transfer_guard_host_to_device not in (None, "allow")
 
 
 def _positional_name(index: int) -> str:
@@ -234,7 +243,9 @@ def _import_one(
     if _FLAGS[dtype] & _WIDE and not _runtime.x64_enabled():
         if not allow_x64_downcast:
             raise _dtypes.x64_error(name_of(index), dtype, downcast_option="allow_x64_downcast")
-        target = _dtypes.DTYPES[dtype].narrow
+        narrow = _dtypes.DTYPES[dtype].narrow
+        assert narrow is not None  # every 64-bit dtype has a 32-bit counterpart
+        target = narrow
     copied = (
         target != dtype
         or tensor.is_conj()

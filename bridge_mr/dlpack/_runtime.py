@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.extend.backend
 import torch
+import torch.utils.dlpack
 
 from bridge_mr._compat import jax as _jax_compat
 from bridge_mr._compat import jaxlib as _jaxlib
@@ -27,7 +28,10 @@ DL_CUDA = _jaxlib.DL_CUDA
 capsule_to_array: Callable[[Any, Any, int | None, int], jax.Array] = _jaxlib.capsule_to_array
 
 #: A DLPack capsule sharing a torch tensor's memory.
-tensor_to_capsule: Callable[[torch.Tensor], Any] = torch.utils.dlpack.to_dlpack
+tensor_to_capsule: Callable[[torch.Tensor], Any] = (
+    # Documented, but missing from torch.utils.dlpack.__all__ (torch 2.13).
+    torch.utils.dlpack.to_dlpack  # pyright: ignore[reportPrivateImportUsage]
+)
 
 #: A torch tensor sharing a DLPack capsule's memory.
 tensor_from_capsule: Callable[[Any], torch.Tensor] = _torch_compat.tensor_from_capsule

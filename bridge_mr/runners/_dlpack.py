@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -26,6 +26,10 @@ _PACK_BYTES = 64 * 1024
 # Results that come within this time are polled for: waking a thread that sleeps on a result
 # costs about as long as a tiny program runs on a busy or virtualised machine.
 _POLL_SECONDS = 100e-6
+
+
+class _Pollable(Protocol):
+    def is_ready(self) -> bool: ...
 
 
 def trace_context() -> contextlib.AbstractContextManager[Any]:
@@ -110,8 +114,11 @@ class DlpackRunner:
         """Returns once `output` is computed: polls while this program is quick, else sleeps."""
         clock = time.perf_counter
         if self._poll:
+            # Every concrete array has `is_ready` (jaxlib's ArrayImpl); jax's stub of
+            # `jax.Array` does not declare it.
+            is_ready = cast(_Pollable, output).is_ready
             deadline = clock() + _POLL_SECONDS
-            while not output.is_ready():
+            while not is_ready():
                 if clock() > deadline:
                     break
             else:

@@ -228,7 +228,9 @@ def _embed(jax_fn: Callable[..., Any], avals: list[Aval], *, check_flat: bool) -
         )
         _check_shardings(traced.jaxpr.jaxpr, torch_xla.runtime)
         lowered = traced.lower()
-        hlo = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+        hlo_module = lowered.compiler_ir("hlo")
+        assert hlo_module is not None  # jit's XLA lowering always has an HLO form
+        hlo = hlo_module.as_serialized_hlo_module_proto()
     if check_flat:
         leaves = jax.tree.leaves(lowered.out_info)
         if lowered.out_tree not in (jax.tree.structure(tuple(leaves)), jax.tree.structure(leaves)):

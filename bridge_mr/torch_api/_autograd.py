@@ -227,11 +227,13 @@ class JaxCall(torch.autograd.Function):
         return (None, *call.entry.backward(call, grad_outputs))
 
     @staticmethod
-    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor | None) -> tuple[Any, ...]:
-        return tuple(ctx.call.entry.backward.jvp(ctx.saved_tensors, tangents))
+    def jvp(ctx: Any, *grad_inputs: torch.Tensor | None) -> tuple[Any, ...]:
+        # One tangent per forward input: the first is the call state's (None).
+        return tuple(ctx.call.entry.backward.jvp(ctx.saved_tensors, grad_inputs[1:]))
 
     @staticmethod
-    def vmap(info: Any, in_dims: Any, call: _Call, *tensors: torch.Tensor) -> Any:
+    def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
+        call: _Call = args[0]
         raise NotImplementedError(
             f"torch.func.vmap over {call.entry.traced.spec.name} is not supported (nor jacfwd, "
             "jacrev and hessian, which use it): JAX cannot see torch's batching. Batch inside "

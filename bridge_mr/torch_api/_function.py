@@ -12,8 +12,8 @@ import pickle
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import jax
 import torch
@@ -181,7 +181,12 @@ class TorchFunction:
                     "broadcast / map_fn / reduce_* of a map_reduce inside jax_fn, under "
                     "@bridge_mr.program)."
                 )
-            return torch.compiler.disable(self._call)(args, kwargs)
+            # torch.compiler.disable is unannotated (torch 2.13): it returns its argument, disabled.
+            disabled = cast(
+                Callable[[tuple[Any, ...], dict[str, Any]], PyTree],
+                torch.compiler.disable(self._call),
+            )
+            return disabled(args, kwargs)
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:

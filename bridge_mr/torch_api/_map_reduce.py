@@ -21,7 +21,7 @@ _REDUCTIONS: tuple[str, ...] = ("mean", "sum", "weighted_mean")
 class ClientFn(Protocol):
     """A JAX function of (server value, one client's slice) returning a pytree of arrays."""
 
-    def __call__(self, server: PyTree, client: PyTree) -> PyTree: ...
+    def __call__(self, server: PyTree, client: PyTree, /) -> PyTree: ...
 
 
 def map_reduce(

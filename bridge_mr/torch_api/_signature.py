@@ -91,10 +91,10 @@ def leaf_paths(treedef: Any, arg_names: Sequence[str]) -> list[str]:
         kind, arg, *rest = path
         if kind.idx == 1:
             head = str(arg.key)
-        elif arg.idx < len(arg_names):
-            head = arg_names[arg.idx]
         else:
-            head = f"args[{arg.idx}]"
+            # jaxlib's key entries are untyped; an int index picks Sequence's item overload.
+            position: int = arg.idx
+            head = arg_names[position] if position < len(arg_names) else f"args[{position}]"
         paths[index] = head + jax.tree_util.keystr(tuple(rest))
     return paths
 

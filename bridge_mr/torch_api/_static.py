@@ -23,11 +23,15 @@ import dataclasses
 import enum
 import functools
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import jax
+import jax.core
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 FUNCTION_TYPES = (types.FunctionType, functools.partial, types.MethodType)
 
@@ -199,7 +203,7 @@ def _with_type(what: tuple[Any, ...], kind: type) -> tuple[Any, ...]:
     return (what[0] + " (a {}.{})", *what[1:], kind.__module__, kind.__qualname__)
 
 
-def _frozen_dataclass(value: Any) -> bool:
+def _frozen_dataclass(value: Any) -> TypeGuard[DataclassInstance]:
     params = getattr(type(value), "__dataclass_params__", None)
     return params is not None and params.frozen and not isinstance(value, type)
 
