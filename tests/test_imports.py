@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from helpers.child import run_python
 
 _PLAIN_JAX_PROGRAM = """
     import jax, jax.numpy as jnp
@@ -27,16 +26,8 @@ _PLAIN_JAX_PROGRAM = """
 
 def _run(*blocks: str) -> None:
     """Runs the code `blocks` (each dedented) in one fresh interpreter, JAX on the CPU."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-c", "\n".join(textwrap.dedent(block) for block in blocks)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    code = "\n".join(textwrap.dedent(block) for block in blocks)
+    run_python(["-c", code], env={"JAX_PLATFORMS": "cpu"}, timeout=300)
 
 
 def test_import_bridge_mr_and_a_plain_jax_program_leave_torch_out():

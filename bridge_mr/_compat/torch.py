@@ -6,7 +6,7 @@ Imports torch only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -20,8 +20,10 @@ __all__ = [
     "flatten_dense_tensors",
     "forward_ad_active",
     "functorch_transforms_active",
+    "graph_break",
     "graph_break_resumes",
     "tensor_from_capsule",
+    "versions",
 ]
 
 _Tensor = torch.Tensor
@@ -65,6 +67,24 @@ def graph_break_resumes() -> bool:
     """
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 13)
+
+
+def graph_break(msg: str) -> None:
+    """Ends the graph Dynamo traces at this point, with `msg` as the reason `fullgraph=True` shows.
+
+    `torch._dynamo.graph_break(msg=...)`, read as an attribute: `torch._dynamo` is imported
+    whenever Dynamo is tracing, and importing it here would slow `import bridge_mr`. torch 2.13;
+    call it only where `graph_break_resumes()`.
+    """
+    torch._dynamo.graph_break(msg=msg)
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter (`Tensor._version`), which in-place writes bump.
+
+    torch 2.9 - 2.13.
+    """
+    return [tensor._version for tensor in tensors]
 
 
 def forward_ad_active() -> bool:

@@ -183,17 +183,20 @@ class _Call:
         self.forward_mode = forward_mode
         self.entry = entry
         self.tensors = tensors
-        self.versions = [t._version for t in tensors]
+        self.versions = torch_compat.versions(tensors)
         self.saved: list[Any] | None = []
 
     def check_versions(self) -> None:
         """Raises if an input changed in place since forward (recomputing reads the inputs)."""
-        for i, (tensor, version) in enumerate(zip(self.tensors, self.versions, strict=True)):
-            if tensor._version != version:
+        now = torch_compat.versions(self.tensors)
+        for i, (tensor, version, current) in enumerate(
+            zip(self.tensors, self.versions, now, strict=True)
+        ):
+            if current != version:
                 raise RuntimeError(
                     f"{self.entry.traced.spec.name}: tensor input {i} (shape "
                     f"{tuple(tensor.shape)}) was modified in place after the call (version "
-                    f"{version} -> {tensor._version}); this backward (with create_graph=True, "
+                    f"{version} -> {current}); this backward (with create_graph=True, "
                     "or a second one through retain_graph=True) recomputes from the inputs and "
                     "needs their original values. Clone the tensor before modifying it, or run "
                     "backward first."

@@ -173,8 +173,8 @@ class TorchFunction:
             # The explicit break carries the reason (fullgraph=True reports it); the disabled
             # call is built here, not ahead, as building one imports torch._dynamo.
             if _GRAPH_BREAK_RESUMES:
-                torch._dynamo.graph_break(
-                    msg=f"bridge_mr: {self!r} runs a JAX program, which torch.compile cannot "
+                torch_compat.graph_break(
+                    f"bridge_mr: {self!r} runs a JAX program, which torch.compile cannot "
                     "trace, so it runs eagerly between two graphs. Under fullgraph=True, call a "
                     "JAX function made with bridge_mr.torch_function(jax_fn, compilable=True) "
                     "instead: a torch.library custom op that torch.compile traces (put the "

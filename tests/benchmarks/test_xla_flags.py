@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.child import run_python
 
 import bridge_mr
 
@@ -96,7 +95,4 @@ def test_the_helper_imports_neither_torch_nor_jax() -> None:
         "module.recommended_xla_flags('')\n"
         "print(json.dumps(sorted({'torch', 'jax', 'jaxlib'} & set(sys.modules))))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert json.loads(done.stdout) == []
+    assert json.loads(run_python(["-c", script], timeout=60)) == []

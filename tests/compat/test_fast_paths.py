@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import subprocess
-import sys
 import textwrap
 import threading
 from collections.abc import Callable
@@ -24,6 +22,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.func
+from helpers.child import run_python
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch._C import _functorch
@@ -53,15 +52,7 @@ def _run_python(code: str) -> str:
         sys.modules["bridge_mr"] = package
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    return run_python(["-c", prelude + textwrap.dedent(code)], timeout=120)
 
 
 # --- bridge_mr._compat.jax ---------------------------------------------------------------------
@@ -306,6 +297,27 @@ def test_graph_break_resumes_on_the_pinned_torch_versions() -> None:
     pinned = {"2.13": True, "2.9": False}
     version = ".".join(torch.__version__.split(".")[:2])
     assert compat_torch.graph_break_resumes() is pinned[version]
+
+
+@pytest.mark.skipif(
+    not compat_torch.graph_break_resumes(), reason="graph_break(msg=) is used on torch 2.13 only"
+)
+def test_graph_break_stops_a_fullgraph_compile_with_its_reason() -> None:
+    def breaks(x: torch.Tensor) -> torch.Tensor:
+        compat_torch.graph_break("the reason bridge_mr gives")
+        return x + 1
+
+    with pytest.raises(Exception, match="the reason bridge_mr gives"):
+        torch.compile(breaks, fullgraph=True, backend="eager")(torch.ones(2))
+
+
+def test_versions_count_in_place_writes() -> None:
+    a, b = torch.zeros(2), torch.zeros(3)
+    before = compat_torch.versions([a, b])
+    a.add_(1)
+    after = compat_torch.versions([a, b])
+    assert after[0] > before[0]
+    assert after[1] == before[1]
 
 
 def test_functorch_transforms_active_inside_torch_func_transforms_only() -> None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers.child import run_python
 
 import bridge_mr
 from bridge_mr.demo import DemoConfig, main, run_demo
@@ -63,13 +62,6 @@ def test_command_line_refuses_a_non_positive_count(capsys: pytest.CaptureFixture
 
 def test_module_entry_point_runs_cleanly() -> None:
     """`python -m bridge_mr.demo` (scripts/demo.sh's command), warnings as errors."""
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-m", "bridge_mr.demo", "--help"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python -m bridge_mr.demo")
-    assert "--no-baseline" in done.stdout
+    stdout = run_python(["-W", "error", "-m", "bridge_mr.demo", "--help"], timeout=120)
+    assert stdout.startswith("usage: python -m bridge_mr.demo")
+    assert "--no-baseline" in stdout

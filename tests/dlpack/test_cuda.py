@@ -1,6 +1,7 @@
 """CUDA tensors <-> JAX GPU arrays: zero copy, device index, and stream ordering.
 
-Skipped unless torch sees a CUDA device and JAX has a GPU backend.
+The `cuda` marker skips them unless torch sees a CUDA device and JAX has a GPU backend
+(tests/conftest.py); the two-GPU tests also skip with fewer than two.
 """
 
 from __future__ import annotations
@@ -26,12 +27,7 @@ def _jax_gpus() -> list[jax.Device]:
 
 
 _GPUS = _jax_gpus() if torch.cuda.is_available() else []
-_REASON = (
-    "needs a CUDA GPU visible to torch and a JAX GPU backend "
-    f"(torch.cuda.is_available()={torch.cuda.is_available()}, JAX GPUs: {len(_jax_gpus())})"
-)
-cuda = [pytest.mark.cuda, pytest.mark.skipif(not _GPUS, reason=_REASON)]
-pytestmark = cuda
+pytestmark = pytest.mark.cuda  # Skipped without a GPU (tests/conftest.py).
 
 
 def _gpu(index: int) -> jax.Device:

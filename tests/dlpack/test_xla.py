@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers.child import run_python
 
 # In a child process: an XLA tensor made here would fix torch-xla's runtime mode (SPMD or not)
 # for the rest of the session, before the torch-xla tests get to choose it.
@@ -29,12 +28,9 @@ _CHILD = textwrap.dedent(
 
 @pytest.mark.xla
 def test_torch_xla_tensor_is_refused_with_the_leaf_path() -> None:
-    env = {**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
-    result = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    message = result.stdout.strip().splitlines()[-1]
+    env = {"PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
+    stdout = run_python(["-c", _CHILD], env=env, timeout=300)
+    message = stdout.strip().splitlines()[-1]
     assert message.startswith("tree['params'][1]: expected a dense (strided) CPU or CUDA")
     assert "got a torch-xla tensor" in message
     assert "Fix:" in message

@@ -18,7 +18,9 @@ def run_python(
 ) -> str:
     """Runs `python *args` (this interpreter) and returns its stdout; a non-zero exit fails.
 
-    The child inherits this process's environment, updated with `env`.
+    The child inherits this process's environment, updated with `env`, and starts in `cwd`
+    (this process's working directory when None). The failure names the exit status and the
+    tails of the child's stdout and stderr.
     """
     child = subprocess.run(
         [sys.executable, *args],
@@ -29,5 +31,7 @@ def run_python(
         timeout=timeout,
         check=False,
     )
-    assert child.returncode == 0, f"exit {child.returncode}:\n{child.stderr[-4000:]}"
+    stdout = f"stdout:\n{child.stdout[-2000:]}\n" if child.stdout else ""
+    stderr = f"stderr:\n{child.stderr[-4000:]}"
+    assert child.returncode == 0, f"exit {child.returncode}:\n{stdout}{stderr}"
     return child.stdout
