@@ -6,7 +6,7 @@ import jax
 
 from bridge_mr import runners
 
-from . import _custom_op, _function, _map_reduce, _ops
+from . import _custom_op, _function, _map_reduce, _ops, _static
 
 
 def trace_counts() -> dict[str, int]:
@@ -43,6 +43,7 @@ def clear_caches() -> None:
       >>> bridge_mr.clear_caches()  # client_loss and what it closes over can now be freed
     """
     _function.clear_all()
+    _static.clear()
     _custom_op.clear()
     runners.clear_caches()
     jax.clear_caches()

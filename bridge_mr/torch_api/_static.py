@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
+import operator
 import types
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -57,12 +59,69 @@ def _typed(value: Any, kind: type) -> tuple[Any, ...]:
 
 
 def function_key(fn: Any) -> Any:
-    """The key of a function: by value where its captures allow, else `FunctionIdentity`."""
+    """The key of a function: by value where its captures allow, else `FunctionIdentity`.
+
+    The value key of a plain function that reads no other function and no numpy array is
+    reused while everything it reads (its globals, defaults and cells) is the same object as
+    when the key was built: those values are immutable, so the same objects give the same key.
+    """
+    plain = type(fn) is types.FunctionType
+    if plain:
+        recent = _RECENT.get(id(fn))
+        if (
+            recent is not None
+            and recent[0] is fn
+            and _same_objects(_reads(fn, recent[1]), recent[2])
+        ):
+            return recent[3]
     walk = _Walk()
     try:
-        return _ValueKey(_function_parts(fn, walk), walk.keep)
+        key = _ValueKey(_function_parts(fn, walk), walk.keep)
     except _NotByValue as err:
         return FunctionIdentity(fn, err.what)
+    if plain and walk.functions == 1 and not walk.arrays:
+        if len(_RECENT) >= _RECENT_MAX:
+            del _RECENT[next(iter(_RECENT))]
+        names = _global_names(fn.__code__)
+        _RECENT[id(fn)] = (fn, names, _reads(fn, names), key)
+    return key
+
+
+# Recent plain functions by id: (the function, the global names its code reads, the objects
+# it read, its key). Holding the function keeps its id from being reused.
+_RECENT: dict[int, tuple[types.FunctionType, tuple[str, ...], tuple[Any, ...], _ValueKey]] = {}
+_RECENT_MAX = 256
+_MISSING = object()
+
+
+def clear() -> None:
+    """Forgets the recent function keys (and the functions and values they hold)."""
+    _RECENT.clear()
+
+
+def _reads(fn: types.FunctionType, names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The objects a plain function's key depends on: its code, defaults, named globals, cells."""
+    namespace = fn.__globals__
+    reads = (
+        fn.__code__,
+        fn.__defaults__,
+        fn.__kwdefaults__,
+        *map(namespace.get, names, itertools.repeat(_MISSING, len(names))),
+    )
+    if fn.__closure__ is None:
+        return reads
+    return (*reads, *map(_cell_contents, fn.__closure__))
+
+
+def _cell_contents(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # Not assigned yet.
+        return _MISSING
+
+
+def _same_objects(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
+    return len(now) == len(then) and all(map(operator.is_, now, then))
 
 
 class FunctionIdentity:
@@ -115,11 +174,13 @@ class _ValueKey:
 class _Walk:
     """The state of one key's construction: functions being keyed, objects keyed by identity."""
 
-    __slots__ = ("keep", "stack")
+    __slots__ = ("arrays", "functions", "keep", "stack")
 
     def __init__(self) -> None:
         self.stack: set[int] = set()
         self.keep: list[Any] = []
+        self.functions = 0  # Plain functions keyed by their parts.
+        self.arrays = False  # Whether a numpy array was keyed (its writeable flag can change).
 
     def ident(self, value: Any) -> int:
         self.keep.append(value)
@@ -192,6 +253,7 @@ def _value(value: Any, what: tuple[Any, ...], walk: _Walk) -> Any:
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
         return walk.ident(value)  # Immutable: the same array is the same value.
     if isinstance(value, np.ndarray) and _read_only(value):
+        walk.arrays = True
         return walk.ident(value)
     if _frozen_dataclass(value):
         fields = dataclasses.fields(value)
@@ -238,6 +300,7 @@ def _function_parts(fn: Any, walk: _Walk) -> tuple[Any, ...]:
         )
     code = fn.__code__
     key = id(fn)
+    walk.functions += 1
     if key in walk.stack:  # A recursive reference: its captures are being keyed already.
         return (walk.ident(code),)
     walk.stack.add(key)
