@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _primitives
 from ._mesh import AnyMesh, abstract, axis_type, placement_mesh
-from ._program import Placement, require_placement
+from ._program import BroadcastSources, Placement, require_broadcasts, require_placement
 
 PyTree: TypeAlias = Any
 
@@ -85,19 +86,23 @@ def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
             placed = broadcast({"w": jnp.ones((3, 2))})  # {"w": f32[8, 3, 2]}
     """
     placement = require_placement("broadcast")
+    broadcasts = require_broadcasts("broadcast")
     mesh = placement_mesh(mesh, placement, caller="broadcast")
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
+    sources = [_as_array(leaf, argument="broadcast(x)", path=path) for path, leaf in path_leaves]
     placed = [
         _primitives.placed_broadcast(
-            _as_array(leaf, argument="broadcast(x)", path=path),
+            source,
             placement=placement.name,
             size=placement.size,
             mesh=_explicit_only(mesh, placement.name),
         )
-        for path, leaf in path_leaves
+        for source in sources
     ]
     if mesh is not None and axis_type(mesh, placement.name) != AxisType.Explicit:
         placed = [_constrain_placed(leaf, mesh, placement.name) for leaf in placed]
+    for leaf, source in zip(placed, sources, strict=True):
+        broadcasts.record(leaf, source)
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
@@ -253,13 +258,21 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
     shardings inside `fn` (constraints, `shard_map`, model-parallel layouts) are kept: `fn` is
     vmapped with the placement as its SPMD axis.
 
+    A leaf of `arg` that is itself an output of `broadcast` in the same program (the very
+    object, not a value computed from it) enters the map unbatched: `fn` sees the broadcast's
+    input, as `jax.vmap(fn, in_axes=None)` would pass it, so the parameters of a FedSGD round
+    are not repeated per client and their gradient is not a sum of per-client copies. Values,
+    gradients of every order, `vmap` of the program and output shardings are the same as for
+    the placed value; the unbatched input keeps its own sharding.
+
     Args:
         fn: A function of one placement slice (of several, for a tuple `arg`).
         arg: A placed pytree, or a tuple of them (unpacked into `fn`'s positional arguments).
         mesh: As for `broadcast`.
 
     Returns:
-        `fn`'s results for every slice, stacked along a leading placement axis.
+        `fn`'s results for every slice, stacked along a leading placement axis (also for
+        results that depend only on unbatched inputs, which are repeated).
 
     Raises:
         RuntimeError: Outside any `program`.
@@ -279,40 +292,83 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
             f"map_fn(fn, arg): fn must be callable (it is applied to each of the "
             f"{placement.size} {placement.name!r} slices); got {type(fn).__name__}: {fn!r}."
         )
+    broadcasts = require_broadcasts("map_fn")
     mesh = placement_mesh(mesh, placement, caller="map_fn")
     leaves, treedef = _placed_leaves(arg, placement, argument="map_fn(arg)")
-    arg = jax.tree_util.tree_unflatten(treedef, leaves)
-    args = arg if isinstance(arg, tuple) else (arg,)
+    kind = None if mesh is None else axis_type(mesh, placement.name)
+    place, share = _placers(mesh, kind, placement.name)
+    values, axes = [], []
+    for leaf in leaves:
+        source = _unbatched_source(broadcasts, leaf)
+        values.append(place(leaf) if source is None else share(source))
+        axes.append(0 if source is None else None)
+    arg, in_axes = jax.tree_util.tree_unflatten(treedef, values), treedef.unflatten(axes)
+    args, in_axes = (tuple(arg), tuple(in_axes)) if isinstance(arg, tuple) else ((arg,), (in_axes,))
+    mapped = jax.vmap(
+        fn,
+        in_axes=in_axes,
+        # A map whose every input is unbatched still has the placement axis: vmap repeats
+        # such results. vmap's annotation says int; a symbolic size works as in any shape.
+        axis_size=cast(int, placement.size),
+        # Auto axes: constraints and shard_map inside `fn` keep their model axes.
+        spmd_axis_name=placement.name if kind == AxisType.Auto else None,
+    )(*args)
+    return jax.tree.map(place, mapped)
+
+
+_Place: TypeAlias = Callable[[jax.Array], jax.Array]
+
+
+def _placers(mesh: AnyMesh | None, kind: AxisType | None, placement: str) -> tuple[_Place, _Place]:
+    """How `map_fn` places its batched values (inputs and outputs) and its unbatched inputs.
+
+    Auto placement axis: a constraint along `placement`, and nothing (inputs keep their own
+    sharding). Explicit: a reshard to it, and the type a slice of the placed value would have.
+    No mesh: nothing.
+    """
     if mesh is None:
-        return jax.vmap(fn)(*args)
-    if axis_type(mesh, placement.name) == AxisType.Explicit:
-        return _map_explicit(fn, args, mesh, placement.name)
-    return _map_auto(fn, args, mesh, placement.name)
+        return _unchanged, _unchanged
+    if kind == AxisType.Explicit:
+        return (
+            functools.partial(_reshard_placed, mesh=abstract(mesh), placement=placement),
+            functools.partial(_type_as_slice, mesh=abstract(mesh), placement=placement),
+        )
+    return functools.partial(_constrain_placed, mesh=mesh, placement=placement), _unchanged
 
 
-def _map_auto(
-    fn: Callable[..., PyTree], args: tuple[Any, ...], mesh: AnyMesh, placement: str
-) -> PyTree:
-    constrain = functools.partial(_constrain_placed, mesh=mesh, placement=placement)
-    args = jax.tree.map(constrain, args)
-    result = jax.vmap(fn, spmd_axis_name=placement)(*args)
-    return jax.tree.map(constrain, result)
+def _unchanged(x: jax.Array) -> jax.Array:
+    return x
 
 
-def _map_explicit(
-    fn: Callable[..., PyTree], args: tuple[Any, ...], mesh: AnyMesh, placement: str
-) -> PyTree:
-    target_mesh = abstract(mesh)
+def _unbatched_source(broadcasts: BroadcastSources, leaf: jax.Array) -> jax.Array | None:
+    """The input `leaf` was broadcast from, to map unbatched; None to map `leaf` batched."""
+    source = broadcasts.source(leaf)
+    if source is not None and not isinstance(leaf, Tracer) and leaf.is_deleted():
+        return None  # A donated placed value: mapping it raises JAX's own error.
+    return source
 
-    def place(x: jax.Array) -> jax.Array:
-        spec = jax.typeof(x).sharding.spec
-        if spec and spec[0] == placement:
-            return x
-        rest = [None if _uses_axis(s, placement) else s for s in spec[1:]]
-        return jax.sharding.reshard(x, NamedSharding(target_mesh, P(placement, *rest)))
 
-    result = jax.vmap(fn)(*jax.tree.map(place, args))
-    return jax.tree.map(place, result)
+def _type_as_slice(x: jax.Array, mesh: AbstractMesh, placement: str) -> jax.Array:
+    """Types an unbatched input as a slice of its placed value would be (Explicit mesh).
+
+    That is `mesh` and the input's own spec without the placement axis. A transpose then types
+    the input's cotangent on `mesh` too: a contraction over the clients (sharded along the
+    placement) into a value typed on no mesh is ambiguous, and JAX refuses it.
+    """
+    sharding = jax.typeof(x).sharding
+    spec = P(*(None if _uses_axis(s, placement) else s for s in sharding.spec))
+    if sharding.mesh == mesh and sharding.spec == spec:
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def _reshard_placed(x: jax.Array, mesh: AbstractMesh, placement: str) -> jax.Array:
+    """Types `x` sharded along `placement` first (Explicit mesh), the rest as it was."""
+    spec = jax.typeof(x).sharding.spec
+    if spec and spec[0] == placement:
+        return x
+    rest = [None if _uses_axis(s, placement) else s for s in spec[1:]]
+    return jax.sharding.reshard(x, NamedSharding(mesh, P(placement, *rest)))
 
 
 def _uses_axis(entry: Any, name: str) -> bool:

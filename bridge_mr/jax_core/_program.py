@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
@@ -35,9 +36,63 @@ class Placement:
     size: Size
 
 
-_ACTIVE: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
+class BroadcastSources:
+    """What `broadcast` placed in one program scope: each placed leaf, by identity, → its input.
+
+    `map_fn` passes a leaf found here into the map unbatched (its input, `vmap` in_axes=None),
+    which is the same function of the same values: a placed leaf *is* its input repeated along
+    the placement axis, as long as that very object lives (arrays are immutable). The table is
+    keyed by `id` and holds a weak reference to the placed leaf, checked with `is` on lookup:
+    when the leaf dies its entry goes with it (a weakref callback), so an `id` reused by a later
+    object never hits, and a long eager loop inside one `with program(...)` block does not
+    accumulate entries. The input is held strongly while its placed leaf lives. The table itself
+    lives in the program's scope (the context variable), so it is dropped when the program's
+    call or block ends, and threads or tasks tracing other programs have their own.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[Any], Any]] = {}
+
+    def record(self, placed: Any, source: Any) -> None:
+        """Records that the leaf `placed` is `source` broadcast along the placement axis."""
+        key, table = id(placed), weakref.ref(self)
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            # Called while `placed` is being freed, before its id can be reused. The weak
+            # reference to the table keeps the entry from holding the table in a cycle.
+            sources = table()
+            if sources is not None and sources._entries.get(key, (None,))[0] is ref:
+                sources._entries.pop(key, None)
+
+        self._entries[key] = (weakref.ref(placed, forget), source)
+
+    def source(self, leaf: Any) -> Any | None:
+        """The input `leaf` was broadcast from, if `leaf` is a live output of `broadcast`."""
+        entry = self._entries.get(id(leaf))
+        if entry is None or entry[0]() is not leaf:
+            return None
+        return entry[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """One active `program`: its placement and the broadcasts made under it."""
+
+    placement: Placement
+    broadcasts: BroadcastSources
+
+
+_ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
     "bridge_mr_placement", default=None
 )
+
+
+def _enter_scope(placement: Placement) -> contextvars.Token[_Scope | None]:
+    """Activates `placement` with a fresh broadcast table (shared with an equal outer placement)."""
+    outer = _ACTIVE.get()
+    if outer is not None and outer.placement == placement:
+        return _ACTIVE.set(_Scope(placement, outer.broadcasts))
+    return _ACTIVE.set(_Scope(placement, BroadcastSources()))
 
 
 def current_placement() -> Placement | None:
@@ -51,20 +106,30 @@ def current_placement() -> Placement | None:
         with program(clients=8):
             assert current_placement() == Placement("clients", 8)
     """
-    return _ACTIVE.get()
+    scope = _ACTIVE.get()
+    return None if scope is None else scope.placement
 
 
 def require_placement(caller: str) -> Placement:
     """Returns the active placement, or raises a RuntimeError naming `caller` and the fix."""
-    placement = _ACTIVE.get()
-    if placement is None:
+    return _require_scope(caller).placement
+
+
+def require_broadcasts(caller: str) -> BroadcastSources:
+    """The broadcast table of the active program (a RuntimeError naming `caller` outside one)."""
+    return _require_scope(caller).broadcasts
+
+
+def _require_scope(caller: str) -> _Scope:
+    scope = _ACTIVE.get()
+    if scope is None:
         raise RuntimeError(
             f"bridge_mr.{caller} was called outside any program: it needs to know the placement "
             "(its name and size). Wrap the code in `with bridge_mr.program(placements="
             '{"clients": n}):` or decorate the function with '
             '`@bridge_mr.program(placements={"clients": n})`.'
         )
-    return placement
+    return scope
 
 
 def _validate_placements(placements: Any) -> Placement:
@@ -166,7 +231,7 @@ class program:  # Lower-case like a function, as in drjax.
 
     def __enter__(self) -> Placement:
         stack = self._tokens.__dict__.setdefault("stack", [])
-        stack.append(_ACTIVE.set(self.placement))
+        stack.append(_enter_scope(self.placement))
         return self.placement
 
     def __exit__(
@@ -187,7 +252,7 @@ class program:  # Lower-case like a function, as in drjax.
 
         @functools.wraps(fn)
         def with_placement(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            token = _ACTIVE.set(placement)
+            token = _enter_scope(placement)
             try:
                 return fn(*args, **kwargs)
             finally:
