@@ -6,10 +6,10 @@ The five MapReduce names (`broadcast`, `map_fn`, `reduce_sum`, `reduce_mean`,
 
 Importing bridge_mr does not import torch: plain-JAX programs (export tools, Beam or
 `jax.distributed` workers) never pay for it. The torch-only names (`map_reduce`,
-`torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`) and the `dlpack` and
-`torch_api` subpackages load torch on first access. The five MapReduce names run the JAX layer
-directly until torch is imported, since no torch tensor can exist before; from then on they run
-`bridge_mr.torch_api`, which accepts torch tensors and JAX values alike.
+`map_reduce_choices`, `torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`) and
+the `dlpack` and `torch_api` subpackages load torch on first access. The five MapReduce names
+run the JAX layer directly until torch is imported, since no torch tensor can exist before; from
+then on they run `bridge_mr.torch_api`, which accepts torch tensors and JAX values alike.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .torch_api import RetraceWarning as RetraceWarning
     from .torch_api import TorchFunction as TorchFunction
     from .torch_api import map_reduce as map_reduce
+    from .torch_api import map_reduce_choices as map_reduce_choices
     from .torch_api import torch_function as torch_function
     from .torch_api import trace_counts as trace_counts
 
@@ -52,6 +53,7 @@ __all__ = [
     "jax_core",
     "map_fn",
     "map_reduce",
+    "map_reduce_choices",
     "program",
     "recommended_xla_flags",
     "reduce_mean",
@@ -63,7 +65,14 @@ __all__ = [
 
 _TORCH_API = f"{__name__}.torch_api"
 _LAZY_TORCH_API_NAMES = frozenset(
-    {"RetraceWarning", "TorchFunction", "map_reduce", "torch_function", "trace_counts"}
+    {
+        "RetraceWarning",
+        "TorchFunction",
+        "map_reduce",
+        "map_reduce_choices",
+        "torch_function",
+        "trace_counts",
+    }
 )
 _torch_api: ModuleType | None = None  # bridge_mr.torch_api once fully imported.
 

@@ -5,7 +5,10 @@ from ._caches import trace_counts as trace_counts
 from ._function import RetraceWarning as RetraceWarning
 from ._function import TorchFunction as TorchFunction
 from ._function import torch_function as torch_function
+from ._map_reduce import Candidate as Candidate
+from ._map_reduce import Choice as Choice
 from ._map_reduce import map_reduce as map_reduce
+from ._map_reduce import map_reduce_choices as map_reduce_choices
 from ._ops import broadcast as broadcast
 from ._ops import map_fn as map_fn
 from ._ops import reduce_mean as reduce_mean
@@ -13,12 +16,15 @@ from ._ops import reduce_sum as reduce_sum
 from ._ops import reduce_weighted_mean as reduce_weighted_mean
 
 __all__ = [
+    "Candidate",
+    "Choice",
     "RetraceWarning",
     "TorchFunction",
     "broadcast",
     "clear_caches",
     "map_fn",
     "map_reduce",
+    "map_reduce_choices",
     "reduce_mean",
     "reduce_sum",
     "reduce_weighted_mean",

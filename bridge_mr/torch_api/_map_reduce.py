@@ -1,21 +1,50 @@
-"""`map_reduce`: broadcast → per-client map → reduce as one compiled, differentiable call."""
+"""`map_reduce`: broadcast → per-client map → reduce as one compiled, differentiable call.
+
+The round itself is `bridge_mr.jax_core.map_reduce`; this module makes it a `TorchFunction` and
+adds `strategy="auto"`, which measures the strategies once per signature and keeps the fastest
+(`map_reduce_choices` lists what it picked and why).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, TypeAlias
 
 import jax
-import numpy as np
+import jax.numpy as jnp
+import torch
 from jax.sharding import AbstractMesh, Mesh
 
 from bridge_mr import jax_core
+from bridge_mr._compat import torch as torch_compat
+from bridge_mr._dtypes import jax_dtype
 
-from . import _weights
+from . import _signature, _weights
 from ._function import TorchFunction
 
 PyTree: TypeAlias = Any
 Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
-_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "weighted_mean")
+Strategy: TypeAlias = Literal["auto", "vmap", "per_client", "chunks"]
+Measured: TypeAlias = Literal["vmap", "per_client", "chunks"]
+_STRATEGIES: tuple[str, ...] = ("auto", "vmap", "per_client", "chunks")
+#: The chunk sizes `auto` tries (those below the number of clients).
+AUTO_CHUNK_SIZES: tuple[int, ...] = (16, 128)
+#: Timed calls per candidate after one untimed call (which traces and compiles).
+AUTO_REPEATS = 3
+#: A candidate replaces vmap only when its median time is below this fraction of vmap's.
+AUTO_MARGIN = 0.9
+#: A call for which vmap takes less (seconds) keeps vmap without trying the others: no more
+#: than this per call to gain, against a few compilations to find out.
+AUTO_MIN_SECONDS = 0.005
+_MAX_CHOICES = 256
+
+_LOG = logging.getLogger("bridge_mr")
 
 
 class ClientFn(Protocol):
@@ -34,12 +63,37 @@ def map_reduce(
     placement: str = "clients",
     mesh: Mesh | AbstractMesh | None = None,
     check_weights: bool = True,
+    strategy: Strategy = "auto",
+    chunk_size: int | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> PyTree:
     """Broadcasts `server` to every client, maps `fn(server, client)` over clients, reduces.
 
     With torch tensors the whole round is one compiled program and one autograd node:
     gradients reach both `server` and `clients` (e.g. `dict(model.named_parameters())` as
-    `server`). With JAX arrays only, it is the JAX program itself.
+    `server`). With JAX arrays only, it is the JAX program itself
+    (`bridge_mr.jax_core.map_reduce`).
+
+    Strategies (same values and gradients, different speed and memory): "vmap" runs all
+    clients at once; "per_client" runs one client at a time in an XLA loop (the memory of one
+    client, no grouped convolutions); "chunks" runs `chunk_size` clients at a time (memory
+    O(chunk_size), forward and gradient alike). "auto" (the default) measures, once per
+    signature, vmap, per_client and chunks of 16 and 128 (those below the client count) on the
+    call's own tensors: each candidate is compiled once to read its memory estimate (XLA's
+    memory analysis), those over `memory_budget_bytes` are never run, the others run once
+    untimed and then `AUTO_REPEATS` times timed (with the backward pass when gradients are
+    needed, through `torch.autograd.grad`, so no `.grad` changes). vmap goes first; when it
+    takes under `AUTO_MIN_SECONDS` the others are not tried (too little to gain). The fastest
+    median wins, but a candidate replaces vmap only when it is clearly faster (median below
+    `AUTO_MARGIN` times vmap's), so noise never picks a slower strategy. That cost, two
+    compilations and four calls per candidate tried (vmap's program is kept for later calls,
+    and counts in `trace_counts`), is paid on the first call of a signature; later calls run
+    the choice directly.
+    `bridge_mr.map_reduce_choices()` lists the choices with their timings, and the
+    "bridge_mr" logger reports each at DEBUG level. "auto" runs vmap without measuring for
+    JAX inputs, torch-xla tensors (whose lazy calls cannot be timed one by one) and under
+    `torch.compile`; under `torch.func` transforms and forward-mode AD it uses a choice already
+    made for the signature, else vmap.
 
     Tracing: each distinct signature (tree structure, shapes, dtypes, devices, which tensors
     need gradients, JAX's configuration, the ambient mesh) is traced and compiled once. `fn` is
@@ -71,14 +125,19 @@ def map_reduce(
         before the program; CUDA tensors by device reductions read after it, when the bridge
         waits for its results anyway; torch-xla tensors by one small device read before it).
         False gives raw IEEE results (NaN / inf) and skips that work.
+      strategy: "auto", "vmap", "per_client" or "chunks" (see above).
+      chunk_size: for "chunks": how many clients run at once (a positive int).
+      memory_budget_bytes: for "auto": the most memory a candidate may need by XLA's estimate
+        (default: half the device's memory limit, or half the host's memory on CPU).
 
     Returns:
       The reduction of `fn`'s results, with `fn`'s output structure: torch tensors for torch
       inputs, JAX arrays for JAX inputs.
 
     Raises:
-      ValueError: bad `reduce`, `weights`, zero clients, clients that disagree on their count,
-        or weights that are not finite or sum to zero.
+      ValueError: bad `reduce`, `weights`, `strategy`, `chunk_size` or `memory_budget_bytes`,
+        zero clients, clients that disagree on their count, or weights that are not finite or
+        sum to zero.
       TypeError: `fn` not callable or returning non-arrays, leaves that are not tensors,
         tensors JAX cannot take (sparse, meta, unsupported dtypes), mixed torch and JAX inputs.
 
@@ -86,39 +145,50 @@ def map_reduce(
       >>> params = dict(model.named_parameters())
       >>> loss = bridge_mr.map_reduce(client_loss, params, {"x": xs, "y": ys})  # xs: [n, ...]
       >>> loss.backward()  # gradients in model's .grad
+      >>> delta = bridge_mr.map_reduce(local_sgd, params, data, strategy="chunks", chunk_size=32)
     """
-    if reduce not in _REDUCTIONS:
-        raise ValueError(
-            f"map_reduce(reduce=...): expected one of {', '.join(map(repr, _REDUCTIONS))}; got "
-            f"{reduce!r}."
-        )
-    if reduce == "weighted_mean" and weights is None:
-        raise ValueError(
-            "map_reduce(reduce='weighted_mean') needs weights=: one weight per client (a "
-            "tensor of shape [n_clients]), e.g. the clients' example counts."
-        )
-    if reduce != "weighted_mean" and weights is not None:
-        raise ValueError(
-            f"map_reduce(weights=...) was given with reduce={reduce!r}, which ignores weights. "
-            "Pass reduce='weighted_mean' to use them, or drop weights."
-        )
-    if not callable(fn):
-        raise TypeError(
-            f"map_reduce(fn, ...): fn must be a JAX function of (server, client); got "
-            f"{type(fn).__name__}: {fn!r}."
-        )
-    if not isinstance(placement, str) or not placement:
-        raise TypeError(
-            f"map_reduce(placement=...): expected a non-empty str such as 'clients'; got "
-            f"{type(placement).__name__}: {placement!r}."
-        )
+    _check_strategy(strategy, chunk_size, memory_budget_bytes)
     check_after = None
-    if weights is not None and check_weights:
+    if weights is not None and check_weights and reduce == "weighted_mean":
         check_after = _weights.check_weights(weights)
-    result = MAP_REDUCE(fn, server, clients, weights, reduce, placement, mesh)
+    args = (fn, server, clients, weights, reduce, placement, mesh)
+    if strategy == "auto":
+        result = MAP_REDUCE(*args, *_auto(args, memory_budget_bytes))
+    else:
+        result = MAP_REDUCE(*args, strategy, chunk_size)
     if check_after is not None:
         check_after()
     return result
+
+
+def _check_strategy(strategy: Any, chunk_size: Any, memory_budget_bytes: Any) -> None:
+    if not isinstance(strategy, str) or strategy not in _STRATEGIES:
+        raise ValueError(
+            f"map_reduce(strategy=...): expected one of {', '.join(map(repr, _STRATEGIES))}; "
+            f"got {strategy!r}."
+        )
+    if strategy == "auto" and chunk_size is not None:
+        raise ValueError(
+            f"map_reduce(chunk_size={chunk_size!r}) is only for strategy='chunks'; "
+            "strategy='auto' picks its own. Pass strategy='chunks' with it, or drop chunk_size."
+        )
+    if memory_budget_bytes is None:
+        return
+    if strategy != "auto":
+        raise ValueError(
+            f"map_reduce(memory_budget_bytes=...) is only for strategy='auto' (got "
+            f"strategy={strategy!r}, which runs whatever it needs). Drop it, or pass "
+            "strategy='auto'."
+        )
+    if (
+        isinstance(memory_budget_bytes, bool)
+        or not isinstance(memory_budget_bytes, int)
+        or memory_budget_bytes <= 0
+    ):
+        raise ValueError(
+            "map_reduce(memory_budget_bytes=...): expected a positive int (bytes, e.g. "
+            f"2 * 2**30); got {type(memory_budget_bytes).__name__}: {memory_budget_bytes!r}."
+        )
 
 
 def map_reduce_jax(
@@ -129,115 +199,349 @@ def map_reduce_jax(
     reduce: Reduction,
     placement: str,
     mesh: Mesh | AbstractMesh | None,
+    strategy: Measured = "vmap",
+    chunk_size: int | None = None,
 ) -> PyTree:
     """The JAX program behind `map_reduce` (arguments as there, all positional)."""
-    n = _client_count(clients)
-    _check_server(server)
-    with jax_core.program(placements={placement: n}):
-        placed = jax_core.broadcast(server, mesh=mesh)
-        results = jax_core.map_fn(_ArrayResults(fn), (placed, clients), mesh=mesh)
-        if reduce == "sum":
-            return jax_core.reduce_sum(results)
-        if reduce == "mean":
-            return jax_core.reduce_mean(results)
-        _check_weights(weights, n)
-        if mesh is not None:
-            # Placed like the results: the reduction cannot see `mesh`, and an Explicit mesh
-            # refuses to combine values sharded along the placement with unsharded ones.
-            weights = jax_core.map_fn(lambda w: w, weights, mesh=mesh)
-        return jax_core.reduce_weighted_mean(results, weights)
+    return jax_core.map_reduce(
+        fn,
+        server,
+        clients,
+        reduce=reduce,
+        weights=weights,
+        placement=placement,
+        mesh=mesh,
+        strategy=strategy,
+        chunk_size=chunk_size,
+    )
 
 
-MAP_REDUCE = TorchFunction(
-    map_reduce_jax,
-    passthrough_jax=True,
-    name="map_reduce",
-    arg_names=("fn", "server", "clients", "weights", "reduce", "placement", "mesh"),
+class _MapReduceFunction(TorchFunction):
+    """`MAP_REDUCE`'s class: clearing its cache forgets the `auto` choices too."""
+
+    def clear_cache(self) -> None:
+        super().clear_cache()
+        with _CHOICES.lock:
+            _CHOICES.by_key.clear()
+
+
+_ARG_NAMES = (
+    "fn",
+    "server",
+    "clients",
+    "weights",
+    "reduce",
+    "placement",
+    "mesh",
+    "strategy",
+    "chunk_size",
 )
+MAP_REDUCE = _MapReduceFunction(
+    map_reduce_jax, passthrough_jax=True, name="map_reduce", arg_names=_ARG_NAMES
+)
+# The candidates of `auto` other than vmap run here, so MAP_REDUCE traces only vmap and what
+# runs (`trace_counts` stays meaningful) and their programs are dropped once timed. Errors name
+# "map_reduce".
+_MEASURING = TorchFunction(map_reduce_jax, name="map_reduce", arg_names=_ARG_NAMES)
 
 
-class _ArrayResults:
-    """Calls the client function, insisting that it returns arrays only."""
-
-    def __init__(self, fn: ClientFn) -> None:
-        self._fn = fn
-
-    def __call__(self, server: PyTree, client: PyTree) -> PyTree:
-        result = self._fn(server, client)
-        path_leaves = jax.tree_util.tree_flatten_with_path(result)[0]
-        if not path_leaves:
-            raise TypeError(
-                f"map_reduce(fn): fn returned {result!r}, which holds no arrays; it must return "
-                "a JAX array or a pytree of them (the client's loss, its model delta, ...). "
-                "Did fn forget a `return`?"
-            )
-        for path, leaf in path_leaves:
-            if not isinstance(leaf, jax.Array):
-                raise TypeError(
-                    f"map_reduce(fn): fn returned a non-array leaf at "
-                    f"result{jax.tree_util.keystr(path)}: expected a JAX array, got "
-                    f"{type(leaf).__name__}: {leaf!r}. Return jnp arrays (jnp.asarray(value))."
-                )
-        return result
+# --- strategy="auto" ------------------------------------------------------------------------
 
 
-def _check_server(server: PyTree) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(server)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
-            raise TypeError(
-                f"map_reduce(server): server{jax.tree_util.keystr(path)} is a "
-                f"{type(leaf).__name__} ({leaf!r}); every server leaf is broadcast to the "
-                "clients, so it must be a torch tensor (or a number). Give fn other settings "
-                "by closing over them (functools.partial(fn, ...) or a lambda), not in server."
-            )
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One strategy `auto` considered for a signature, with what it measured.
+
+    Attributes:
+      strategy: "vmap", "per_client" or "chunks".
+      chunk_size: the chunk size for "chunks", else None.
+      memory_bytes: XLA's estimate of the memory the call needs (arguments, outputs and
+        temporaries of the forward program, with the backward pass when gradients are
+        needed), or None where the backend reports none.
+      seconds: the median of the timed calls, or None when it was not timed.
+      skipped: why it was not timed ("" when it was).
+    """
+
+    strategy: Measured
+    chunk_size: int | None
+    memory_bytes: int | None
+    seconds: float | None
+    skipped: str = ""
 
 
-def _client_count(clients: PyTree) -> int:
-    path_leaves = jax.tree_util.tree_flatten_with_path(clients)[0]
-    if not path_leaves:
-        raise ValueError(
-            "map_reduce(clients): expected a pytree of tensors with the clients axis first; got "
-            "no tensors at all, so the number of clients is unknown."
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `map_reduce(strategy="auto")` picked for one signature, and the measurements.
+
+    Attributes:
+      signature: the call it was made for, in words (function, shapes, dtypes, reduction).
+      strategy: the strategy picked.
+      chunk_size: its chunk size ("chunks"), else None.
+      reason: why it was picked.
+      candidates: every candidate considered, in the order measured.
+      memory_budget_bytes: the budget the candidates' memory estimates were held to.
+      measure_seconds: the wall time the measurement took (compilations included).
+    """
+
+    signature: str
+    strategy: Measured
+    chunk_size: int | None
+    reason: str
+    candidates: tuple[Candidate, ...]
+    memory_budget_bytes: int
+    measure_seconds: float
+
+
+class _Choices:
+    """The choices of `auto`, by call signature (the compile key with strategy left out)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[Any, ...], Choice] = {}
+        self.lock = threading.RLock()  # Held while measuring: one measurement at a time.
+
+
+_CHOICES = _Choices()
+
+
+def map_reduce_choices() -> list[Choice]:
+    """What `map_reduce(strategy="auto")` picked so far, one `Choice` per signature.
+
+    Each choice names the strategy (and chunk size) picked, why, and every candidate with its
+    memory estimate and median time. `bridge_mr.clear_caches()` forgets them; the next call of
+    a signature measures again.
+
+    Returns:
+      The choices, oldest first.
+
+    Example:
+      >>> bridge_mr.map_reduce(client_loss, params, batch).backward()
+      >>> [(c.strategy, c.chunk_size) for c in bridge_mr.map_reduce_choices()]
+      [('vmap', None)]
+    """
+    with _CHOICES.lock:
+        return list(_CHOICES.by_key.values())
+
+
+def _auto(args: tuple[Any, ...], budget: int | None) -> tuple[Measured, int | None]:
+    """The (strategy, chunk_size) for a call with `strategy="auto"`: cached, else measured."""
+    if torch.compiler.is_compiling():  # Dynamo would trace the lookup and the measuring.
+        return "vmap", None
+    # Unflattenable arguments or unhashable statics: MAP_REDUCE's call says which, and the fix.
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten((args, budget))
+        key, tensors = _signature.call_key(leaves, treedef, torch.is_grad_enabled())
+        choice = _CHOICES.by_key.get(key)
+    except (TypeError, ValueError):
+        return "vmap", None
+    if choice is not None:
+        return choice.strategy, choice.chunk_size
+    if not _measurable(tensors):
+        return "vmap", None
+    with _CHOICES.lock:
+        choice = _CHOICES.by_key.get(key)
+        if choice is None:
+            choice = _measure(args, tensors, budget)
+            if len(_CHOICES.by_key) >= _MAX_CHOICES:
+                del _CHOICES.by_key[next(iter(_CHOICES.by_key))]
+            _CHOICES.by_key[key] = choice
+    return choice.strategy, choice.chunk_size
+
+
+def _measurable(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether timing calls now means something: torch CPU / CUDA tensors, no transform."""
+    if not tensors or any(t.device.type not in ("cpu", "cuda") for t in tensors):
+        return False
+    return not (torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active())
+
+
+def _measure(args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int | None) -> Choice:
+    started = time.perf_counter()
+    fn, server, clients, _, reduce, placement, mesh = args
+    n = _client_count_of(clients)
+    grads = [t for t in tensors if torch.is_grad_enabled() and t.requires_grad]
+    budget = _default_budget(tensors[0].device) if budget is None else budget
+    plans: list[tuple[Measured, int | None]] = [("vmap", None)]
+    if not _explicit_placement(placement, mesh):  # Which only vmap supports.
+        plans += [("per_client", None), *(("chunks", k) for k in AUTO_CHUNK_SIZES if k < n)]
+    candidates: list[Candidate] = []
+    for strategy, chunk_size in plans:
+        vmap_seconds = candidates[0].seconds if candidates else None
+        if vmap_seconds is not None and vmap_seconds < AUTO_MIN_SECONDS:
+            skipped = "not tried: vmap takes under AUTO_MIN_SECONDS"
+            candidates.append(Candidate(strategy, chunk_size, None, None, skipped))
+            continue
+        memory = _memory_estimate(args, strategy, chunk_size, bool(grads))
+        if memory is not None and memory > budget:
+            skipped = "over the memory budget"
+            candidates.append(Candidate(strategy, chunk_size, memory, None, skipped))
+            continue
+        # vmap, the usual choice, runs in MAP_REDUCE, which keeps its program for later calls.
+        runner = MAP_REDUCE if strategy == "vmap" else _MEASURING
+
+        def call(
+            runner: TorchFunction = runner,
+            strategy: Measured = strategy,
+            chunk_size: int | None = chunk_size,
+        ) -> None:
+            _backward(runner(*args, strategy, chunk_size), grads)
+
+        try:
+            seconds = _median_seconds(call, tensors)
+        finally:
+            _MEASURING.clear_cache()
+        candidates.append(Candidate(strategy, chunk_size, memory, seconds))
+    choice = _pick(candidates, budget)
+    choice = dataclasses.replace(
+        choice,
+        signature=_describe(fn, server, clients, reduce, bool(grads)),
+        measure_seconds=time.perf_counter() - started,
+    )
+    _LOG.debug(
+        "map_reduce(strategy='auto') for %s: picked %s (%s); candidates: %s; measuring took %.3f s",
+        choice.signature,
+        _label(choice.strategy, choice.chunk_size),
+        choice.reason,
+        "; ".join(_candidate_text(c) for c in choice.candidates),
+        choice.measure_seconds,
+    )
+    return choice
+
+
+def _pick(candidates: list[Candidate], budget: int) -> Choice:
+    """The fastest timed candidate; vmap unless another is clearly (AUTO_MARGIN) faster."""
+    timed = [c for c in candidates if c.seconds is not None]
+    frozen = tuple(candidates)
+    if not timed:
+        smallest = min(candidates, key=lambda c: c.memory_bytes or 0)
+        reason = "every candidate is over the memory budget: the one needing the least memory"
+        return Choice("", smallest.strategy, smallest.chunk_size, reason, frozen, budget, 0.0)
+    best = min(timed, key=lambda c: c.seconds or 0.0)
+    vmap = next((c for c in timed if c.strategy == "vmap"), None)
+    if vmap is None:
+        reason = "the fastest of those within the memory budget (vmap is over it)"
+    elif best is vmap:
+        reason = "the fastest"
+    elif (best.seconds or 0.0) < AUTO_MARGIN * (vmap.seconds or 0.0):
+        reason = f"faster than vmap by more than {1 - AUTO_MARGIN:.0%}"
+    else:
+        best = vmap
+        reason = f"no candidate beats vmap by more than {1 - AUTO_MARGIN:.0%}"
+    return Choice("", best.strategy, best.chunk_size, reason, frozen, budget, 0.0)
+
+
+def _backward(out: PyTree, grads: Sequence[torch.Tensor]) -> None:
+    """The backward pass the caller would run, without touching any `.grad`."""
+    if not grads:
+        return
+    outputs = [o for o in jax.tree.leaves(out) if o.requires_grad]
+    if outputs:
+        torch.autograd.grad(
+            outputs, list(grads), [torch.ones_like(o) for o in outputs], allow_unused=True
         )
-    sizes: dict[int, list[str]] = {}
-    for path, leaf in path_leaves:
-        name = "clients" + jax.tree_util.keystr(path)
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            raise TypeError(
-                f"map_reduce(clients): {name} is a {type(leaf).__name__} ({leaf!r}); every "
-                "client leaf must be a torch tensor with the clients axis first (shape "
-                "[n_clients, ...]). Give fn other settings by closing over them instead."
-            )
-        shape = leaf.shape
-        if len(shape) == 0:
-            raise ValueError(
-                f"map_reduce(clients): {name} has shape {shape}; every client leaf needs the "
-                "clients axis first (shape [n_clients, ...])."
-            )
-        sizes.setdefault(shape[0], []).append(f"{name} {tuple(shape)}")
-    if len(sizes) > 1:
-        listing = "; ".join(f"{n}: {', '.join(names[:3])}" for n, names in sizes.items())
-        raise ValueError(
-            "map_reduce(clients): the leaves disagree on the number of clients (their leading "
-            f"dimension): {listing}. Every client leaf must have the clients axis first, with "
-            "the same size."
-        )
-    (n,) = sizes
-    if n == 0:
-        raise ValueError(
-            f"map_reduce(clients): the clients axis is empty ({', '.join(sizes[0][:3])}): "
-            "there are no clients to map over, and a mean over none is undefined. Pass at least "
-            "one client, or skip the round when the sampled cohort is empty."
-        )
-    return n
 
 
-def _check_weights(weights: PyTree, n: int) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]:
-        shape = tuple(getattr(leaf, "shape", ()))
-        if not shape or shape[0] != n:
-            raise ValueError(
-                f"map_reduce(weights): weights{jax.tree_util.keystr(path)} has shape {shape}; "
-                f"expected one weight per client, shape ({n},) (or [{n}, ...] shaped like fn's "
-                "output)."
+def _median_seconds(call: Callable[[], None], tensors: Sequence[torch.Tensor]) -> float:
+    """Runs `call` once untimed, then `AUTO_REPEATS` times timed; the median, in seconds."""
+    cuda = [t.device for t in tensors if t.device.type == "cuda"][:1]
+    call()
+    seconds = []
+    for _ in range(AUTO_REPEATS):
+        if cuda:
+            torch.cuda.synchronize(cuda[0])
+        start = time.perf_counter()
+        call()
+        if cuda:
+            torch.cuda.synchronize(cuda[0])
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def _memory_estimate(
+    args: tuple[Any, ...], strategy: Measured, chunk_size: int | None, grads: bool
+) -> int | None:
+    """XLA's estimate of the bytes a candidate needs, or None where the backend has none."""
+    fn, server, clients, weights, reduce, placement, mesh = args
+
+    def as_spec(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return jax.ShapeDtypeStruct(
+                tuple(leaf.shape), jax_dtype(leaf.dtype, where="map_reduce")
             )
+        return leaf
+
+    def forward(server: PyTree, clients: PyTree, weights: PyTree) -> PyTree:
+        return map_reduce_jax(
+            fn, server, clients, weights, reduce, placement, mesh, strategy, chunk_size
+        )
+
+    def with_grads(server: PyTree, clients: PyTree, weights: PyTree) -> PyTree:
+        def total(*inputs: PyTree) -> jax.Array:
+            floats = [
+                o for o in jax.tree.leaves(forward(*inputs)) if jnp.issubdtype(o.dtype, jnp.inexact)
+            ]
+            return sum((jnp.sum(o).real.astype(jnp.float32) for o in floats), jnp.float32(0))
+
+        return jax.value_and_grad(total, argnums=(0, 1, 2), allow_int=True)(
+            server, clients, weights
+        )
+
+    specs = jax.tree.map(as_spec, (server, clients, weights))
+    try:
+        stats = jax.jit(with_grads if grads else forward).lower(*specs).compile().memory_analysis()
+    except Exception:  # Bad arguments: the timed call raises again, with the bridge's message.
+        return None
+    if stats is None:
+        return None
+    return int(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+def _default_budget(device: torch.device) -> int:
+    """Half the device's memory limit (CUDA), or half the host's physical memory (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 2
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _client_count_of(clients: PyTree) -> int:
+    """The clients' leading dimension (0 when there is none: the vmap call then says why)."""
+    leaves = jax.tree.leaves(clients)
+    shape = getattr(leaves[0], "shape", ()) if leaves else ()
+    return int(shape[0]) if shape else 0
+
+
+def _explicit_placement(placement: str, mesh: Mesh | AbstractMesh | None) -> bool:
+    """Whether the call's mesh has `placement` as an Explicit axis."""
+    mesh = jax_core.ambient_mesh() if mesh is None else mesh
+    if mesh is None or placement not in mesh.axis_names:
+        return False
+    return mesh.axis_types[mesh.axis_names.index(placement)] == jax.sharding.AxisType.Explicit
+
+
+def _describe(fn: Any, server: PyTree, clients: PyTree, reduce: str, grads: bool) -> str:
+    def shapes(tree: PyTree) -> str:
+        return ", ".join(
+            f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            for t in jax.tree.leaves(tree)
+            if isinstance(t, torch.Tensor)
+        )
+
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return (
+        f"map_reduce({name}, server=[{shapes(server)}], clients=[{shapes(clients)}], "
+        f"reduce={reduce!r}{', with gradients' if grads else ''})"
+    )
+
+
+def _label(strategy: str, chunk_size: int | None) -> str:
+    return f"chunks of {chunk_size}" if strategy == "chunks" else strategy
+
+
+def _candidate_text(candidate: Candidate) -> str:
+    memory = "?" if candidate.memory_bytes is None else f"{candidate.memory_bytes / 2**20:.1f} MiB"
+    timing = candidate.skipped if candidate.seconds is None else f"{candidate.seconds * 1e3:.2f} ms"
+    return f"{_label(candidate.strategy, candidate.chunk_size)}: {timing}, {memory}"

@@ -1,0 +1,180 @@
+"""map_reduce(strategy=...): forced strategies agree through torch autograd; auto measures once."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import pytest
+import torch
+from helpers import assert_trees_all_close
+
+import bridge_mr
+from bridge_mr.torch_api import _map_reduce, map_reduce
+
+EXPLICIT = [("vmap", None), ("per_client", None), ("chunks", 2), ("chunks", 8)]
+CLOSE = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def _loss(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+    return jnp.mean((hidden.sum(-1) - batch["y"]) ** 2)
+
+
+def _delta(params, batch):
+    return {"w": params["w"] * _loss(params, batch), "b": params["b"]}
+
+
+def _case(n=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(3, 2, generator=gen), "b": torch.randn(2, generator=gen)}
+    clients = {"x": torch.randn(n, 4, 3, generator=gen), "y": torch.randn(n, 4, generator=gen)}
+    weights = torch.rand(n, generator=gen) + 0.5
+    return params, clients, weights
+
+
+def _grads(fn, reduce, strategy, chunk_size):
+    params, clients, weights = _case()
+    leaves = [*(p.requires_grad_() for p in params.values()), clients["x"].requires_grad_()]
+    if reduce == "weighted_mean":
+        leaves.append(weights.requires_grad_())
+    out = map_reduce(
+        fn,
+        params,
+        clients,
+        reduce=reduce,
+        weights=weights if reduce == "weighted_mean" else None,
+        strategy=strategy,
+        chunk_size=chunk_size,
+    )
+    total = sum(o.sin().sum() for o in (out.values() if isinstance(out, dict) else [out]))
+    return out, torch.autograd.grad(total, leaves)
+
+
+@pytest.mark.parametrize("fn", [_loss, _delta], ids=["scalar", "pytree"])
+@pytest.mark.parametrize("reduce", ["mean", "sum", "weighted_mean"])
+@pytest.mark.parametrize(("strategy", "chunk_size"), EXPLICIT[1:])
+def test_forced_strategies_equal_vmap_through_torch_autograd(fn, reduce, strategy, chunk_size):
+    want = _grads(fn, reduce, "vmap", None)
+    assert_trees_all_close(_grads(fn, reduce, strategy, chunk_size), want, **CLOSE)
+
+
+def test_auto_measures_once_per_signature_and_reports_it(caplog, monkeypatch):
+    monkeypatch.setattr(_map_reduce, "AUTO_MIN_SECONDS", 0.0)  # Try every candidate.
+    bridge_mr.clear_caches()
+    params, clients, _ = _case(n=20)
+    for p in params.values():
+        p.requires_grad_()
+    before = bridge_mr.trace_counts()["map_reduce"]
+    with caplog.at_level(logging.DEBUG, logger="bridge_mr"):
+        losses = [map_reduce(_loss, params, clients) for _ in range(3)]
+    for loss in losses:
+        loss.backward()
+    (choice,) = bridge_mr.map_reduce_choices()
+    # vmap's program (fused value and gradient), and the choice's if another; the other
+    # candidates ran in a program of their own.
+    traces = 1 if choice.strategy == "vmap" else 2
+    assert bridge_mr.trace_counts()["map_reduce"] - before == traces
+    assert "_loss" in choice.signature
+    assert "with gradients" in choice.signature
+    labels = [(c.strategy, c.chunk_size) for c in choice.candidates]
+    assert labels == [("vmap", None), ("per_client", None), ("chunks", 16)]
+    assert all(c.seconds is not None and c.seconds > 0 for c in choice.candidates)
+    assert (choice.strategy, choice.chunk_size) in labels
+    # The rule, checked on the recorded medians: another strategy only when clearly faster.
+    seconds = {(c.strategy, c.chunk_size): c.seconds or 0.0 for c in choice.candidates}
+    picked = seconds[choice.strategy, choice.chunk_size]
+    if choice.strategy != "vmap":
+        assert picked < _map_reduce.AUTO_MARGIN * seconds["vmap", None]
+    (record,) = [r for r in caplog.records if "strategy='auto'" in r.getMessage()]
+    assert "picked" in record.getMessage()
+    assert "per_client" in record.getMessage()
+    with torch.no_grad():  # Another signature (no gradients): measured once more.
+        map_reduce(_loss, params, clients)
+    assert len(bridge_mr.map_reduce_choices()) == 2
+    assert "with gradients" not in bridge_mr.map_reduce_choices()[1].signature
+    bridge_mr.clear_caches()
+    assert bridge_mr.map_reduce_choices() == []
+
+
+def test_auto_keeps_a_fast_vmap_without_trying_the_others():
+    bridge_mr.clear_caches()
+    params, clients, _ = _case(n=20)
+    with torch.no_grad():
+        map_reduce(_loss, params, clients)
+    (choice,) = bridge_mr.map_reduce_choices()
+    vmap, *others = choice.candidates
+    if vmap.seconds is not None and vmap.seconds < _map_reduce.AUTO_MIN_SECONDS:
+        assert choice.strategy == "vmap"
+        assert all(c.seconds is None and "not tried" in c.skipped for c in others)
+    bridge_mr.clear_caches()
+
+
+def test_auto_equals_vmap():
+    want = _grads(_delta, "weighted_mean", "vmap", None)
+    assert_trees_all_close(_grads(_delta, "weighted_mean", "auto", None), want, **CLOSE)
+
+
+def test_a_memory_budget_rules_out_candidates():
+    bridge_mr.clear_caches()
+    params, clients, _ = _case(n=20)
+    with torch.no_grad():
+        map_reduce(_loss, params, clients, memory_budget_bytes=1)
+    (choice,) = bridge_mr.map_reduce_choices()
+    assert choice.memory_budget_bytes == 1
+    assert all(c.seconds is None and c.skipped for c in choice.candidates)
+    assert "memory budget" in choice.reason
+    estimates = {(c.strategy, c.chunk_size): c.memory_bytes for c in choice.candidates}
+    assert all(e is not None and e > 0 for e in estimates.values())
+    least = min(choice.candidates, key=lambda c: c.memory_bytes or 0)
+    assert (choice.strategy, choice.chunk_size) == (least.strategy, least.chunk_size)
+    bridge_mr.clear_caches()
+
+
+def test_jax_inputs_run_vmap_without_measuring():
+    bridge_mr.clear_caches()
+    params, clients, _ = _case()
+    as_jax = [{k: jnp.asarray(v.numpy()) for k, v in tree.items()} for tree in (params, clients)]
+    out = bridge_mr.map_reduce(_loss, *as_jax)
+    assert_trees_all_close(out, map_reduce(_loss, params, clients, strategy="vmap"))
+    assert bridge_mr.map_reduce_choices() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "fast"}, r"map_reduce\(strategy=\.\.\.\): expected one of 'auto', 'vmap'"),
+        ({"strategy": "chunks"}, r"map_reduce\(chunk_size=\.\.\.\): .*positive int.*None"),
+        ({"strategy": "chunks", "chunk_size": -1}, r"chunk_size=\.\.\.\).*positive int.*-1"),
+        ({"chunk_size": 4}, r"chunk_size=4\) is only for strategy='chunks'.*'auto'"),
+        ({"strategy": "per_client", "chunk_size": 4}, r"chunk_size=4\) is only for strategy="),
+        (
+            {"strategy": "vmap", "memory_budget_bytes": 2**30},
+            r"memory_budget_bytes=\.\.\.\) is only for strategy='auto'",
+        ),
+        ({"memory_budget_bytes": 0}, r"memory_budget_bytes=\.\.\.\): expected a positive int"),
+    ],
+)
+def test_bad_strategy_arguments_name_the_argument(kwargs, message):
+    params, clients, _ = _case()
+    with pytest.raises(ValueError, match=message):
+        map_reduce(_loss, params, clients, **kwargs)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize(("strategy", "chunk_size"), [("per_client", None), ("chunks", 2)])
+def test_gradcheck_and_gradgradcheck_of_looped_strategies(strategy, chunk_size):
+    params, clients, weights = _case(n=3)
+    params = {k: v.double().requires_grad_() for k, v in params.items()}
+    x = clients["x"].double().requires_grad_()
+    y, w = clients["y"].double(), weights.double().requires_grad_()
+
+    def f(pw, pb, x, w):
+        return map_reduce(
+            _loss, {"w": pw, "b": pb}, {"x": x, "y": y}, reduce="weighted_mean", weights=w,
+            strategy=strategy, chunk_size=chunk_size,
+        )  # fmt: skip
+
+    inputs = (params["w"], params["b"], x, w)
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
