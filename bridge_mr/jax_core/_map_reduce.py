@@ -270,7 +270,8 @@ def _looped(
         chunk, chunk_weights, chunk_mask = x
         if batched:
             with program(placements={where.name: size}):
-                results = map_fn(lambda c: fn(server, c), chunk, mesh=mesh)
+                # A 1-tuple: map_fn unpacks a tuple argument, and `chunk` may be one.
+                results = map_fn(lambda c: fn(server, c), (chunk,), mesh=mesh)
         else:
             results = fn(server, chunk)
         parts = plan.contributions(jax.tree.leaves(results), chunk_weights, chunk_mask, batched)

@@ -114,6 +114,26 @@ def test_vmap_of_the_whole_program_equals_vmap(strategy, chunk_size):
     assert_trees_all_close(batched(strategy, chunk_size), batched("vmap", None), **CLOSE)
 
 
+@pytest.mark.parametrize(("strategy", "chunk_size"), LOOPED)
+@pytest.mark.parametrize("shape", ["pair", "single"])
+def test_tuple_client_data_equals_vmap(strategy, chunk_size, shape):
+    """Client data that is a tuple reaches fn as one argument, as with vmap."""
+    params, clients, _ = _case()
+    data = (clients["x"], clients["y"]) if shape == "pair" else (clients["x"],)
+
+    def fn(p, batch):
+        x = batch[0]
+        target = batch[1] if len(batch) == 2 else 0.0
+        return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]).sum(-1) - target) ** 2)
+
+    def run(strategy, chunk_size):
+        return jax.value_and_grad(
+            lambda p: mr.map_reduce(fn, p, data, strategy=strategy, chunk_size=chunk_size)
+        )(params)
+
+    assert_trees_all_close(run(strategy, chunk_size), run("vmap", None), **CLOSE)
+
+
 def test_weights_shaped_like_the_outputs():
     params, clients, weights = _case()
     per_leaf = {"loss": weights, "delta": jnp.broadcast_to(weights[:, None, None], (N, 3, 2))}
