@@ -30,6 +30,7 @@ from . import (  # noqa: E402
     cases_boundary,
     cases_federated,
     cases_limits,
+    cases_models,
     cases_overhead,
     harness,
     report,
@@ -43,6 +44,8 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "fedavg": lambda ctx: cases_federated.run_rounds(ctx, "fedavg"),
     "scaling": cases_federated.run_scaling,
     "limits": cases_limits.run,
+    "cnn": lambda ctx: cases_models.run(ctx, "cnn"),
+    "lm": lambda ctx: cases_models.run(ctx, "lm"),
 }
 
 
@@ -76,10 +79,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--alternatives",
         nargs="+",
-        choices=list(workloads.ALTERNATIVES),
-        default=list(workloads.ALTERNATIVES),
+        choices=list(dict.fromkeys(workloads.ALTERNATIVES + workloads.round_alternatives())),
         metavar="NAME",
-        help=f"federated cases: alternatives (default: {', '.join(workloads.ALTERNATIVES)})",
+        help=f"federated cases: alternatives (default: {', '.join(workloads.ALTERNATIVES)}); "
+        f"cnn and lm: of {', '.join(workloads.round_alternatives())} (default: all)",
     )
     parser.add_argument("--no-xla", action="store_true", help="skip the torch-xla rows")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -138,10 +141,13 @@ def main(argv: list[str]) -> int:
             min_sample_s=policy.min_sample_s,
             budget_s=policy.budget_s,
         )
+    chosen = args.alternatives or workloads.ALTERNATIVES
     ctx = harness.Context(
         quick=args.quick,
         policy=policy,
-        alternatives=tuple(args.alternatives),
+        alternatives=tuple(a for a in chosen if a in workloads.ALTERNATIVES)
+        or workloads.ALTERNATIVES,
+        round_alternatives=tuple(args.alternatives) if args.alternatives else None,
         memory=args.memory,
         models=tuple(args.models) if args.models else None,
         clients=tuple(args.clients) if args.clients else None,

@@ -1,6 +1,7 @@
 """Child process for peak-memory measurement: builds one round, runs it, prints its peak RSS.
 
 Usage: python -m benchmarks._child '{"alternative": ..., "config": {...}, "calls": n}'
+("workload": "round" makes "config" a `workloads.RoundConfig`, else a `FedConfig`)
 Prints one JSON line {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} (ru_maxrss is in KiB on
 Linux); exits non-zero if the round cannot be built or fails. XLA_FLAGS comes from the parent's
 environment (`environment.configure` there).
@@ -26,7 +27,8 @@ def main(argv: list[str]) -> int:
     from . import harness, workloads
 
     import_rss = _max_rss_mb()
-    cfg = workloads.FedConfig(**spec["config"])
+    kind = workloads.RoundConfig if spec.get("workload") == "round" else workloads.FedConfig
+    cfg = kind(**spec["config"])
     fn = workloads.build(spec["alternative"], cfg)
     if isinstance(fn, str):
         print(fn, file=sys.stderr)

@@ -293,6 +293,8 @@ class Context:
       models: federated cases: only these models (None: the case's own choice).
       clients: federated cases: these client counts instead of the case's own.
       xla: federated cases: add torch-xla rows where a torch-xla environment exists.
+      round_alternatives: model-round cases ("cnn", "lm"): the alternatives asked for (None:
+        all of `workloads.round_alternatives()`).
     """
 
     quick: bool
@@ -302,6 +304,7 @@ class Context:
     models: tuple[str, ...] | None = None
     clients: tuple[int, ...] | None = None
     xla: bool = True
+    round_alternatives: tuple[str, ...] | None = None
 
     def wants_memory(self, auto: bool) -> bool:
         """Whether to measure peak RSS for a row the case would (`auto`) or would not pick."""
