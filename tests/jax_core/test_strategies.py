@@ -13,6 +13,7 @@ from helpers.child import run_python
 from jax.sharding import AxisType
 
 from bridge_mr import jax_core as mr
+from bridge_mr import recommended_xla_flags
 
 N = 7  # Not divisible by the chunk size 3.
 #: (strategy, chunk_size): uneven chunks, a chunk size above N, chunks of one, per client.
@@ -275,5 +276,9 @@ _FEDAVG_CHILD = textwrap.dedent(
 
 def test_fedavg_round_of_4096_clients_on_1m_parameters_in_chunks_of_32_under_2_gb():
     # Unchunked, the round holds 4096 deltas of 4 MiB each (16 GiB).
-    peak_kib = int(run_python(["-c", _FEDAVG_CHILD, "4096", "32"], timeout=600).split()[-1])
+    # The child's XLA flags are set here, not inherited: earlier tests in the same session may
+    # have changed os.environ, and without the recommended flags XLA CPU holds far more.
+    flags = recommended_xla_flags("--xla_force_host_platform_device_count=8")
+    out = run_python(["-c", _FEDAVG_CHILD, "4096", "32"], env={"XLA_FLAGS": flags}, timeout=600)
+    peak_kib = int(out.split()[-1])
     assert peak_kib * 1024 <= 2 * 2**30, f"peak RSS {peak_kib / 2**20:.2f} GiB"
