@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_all_close
+from helpers.jaxprs import live_shapes
 from jax import export
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding
@@ -109,23 +110,9 @@ def _derivatives(fn, w, d, jit):
 # --- how to see whether a map ran batched -----------------------------------------------------
 
 
-def _live_shapes(jaxpr):
-    """Shapes of the values a jaxpr computes and uses (dead equations dropped), sub-jaxprs too."""
-    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
-    shapes = []
-    for eqn in reversed(jaxpr.eqns):
-        if not eqn.effects and not any(v in live for v in eqn.outvars):
-            continue
-        shapes += [tuple(v.aval.shape) for v in eqn.outvars]
-        live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            shapes += _live_shapes(sub)
-    return shapes
-
-
 def _placed_copies(fn, args, values, n=N):
     """The leaves of `values` of which the jaxpr of `fn(*args)` computes a [n, *shape] copy."""
-    shapes = set(_live_shapes(jax.make_jaxpr(fn)(*args).jaxpr))
+    shapes = set(live_shapes(jax.make_jaxpr(fn)(*args).jaxpr))
     return [v.shape for v in jax.tree.leaves(values) if (n, *v.shape) in shapes]
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 from helpers import assert_trees_all_close
-from jax.extend import core as jex_core
+from helpers.jaxprs import live_shapes
 
 import bridge_mr
 
@@ -29,20 +29,6 @@ def _case():
     params = {"w": torch.randn(5, 6, generator=gen), "b": torch.randn(5, generator=gen)}
     clients = {"x": torch.randn(N, 3, 6, generator=gen), "y": torch.randn(N, 3, generator=gen)}
     return params, clients
-
-
-def _live_shapes(jaxpr):
-    """Shapes of the values a jaxpr computes and uses (dead equations dropped), sub-jaxprs too."""
-    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
-    shapes = []
-    for eqn in reversed(jaxpr.eqns):
-        if not eqn.effects and not any(v in live for v in eqn.outvars):
-            continue
-        shapes += [tuple(v.aval.shape) for v in eqn.outvars]
-        live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            shapes += _live_shapes(sub)
-    return shapes
 
 
 @pytest.mark.parametrize("reduce", ["mean", "sum"])
@@ -71,5 +57,5 @@ def test_the_traced_program_has_no_per_client_copy_of_the_server():
     def loss(server):
         return bridge_mr.map_reduce(_client_loss, server, data, strategy="vmap")
 
-    shapes = set(_live_shapes(jax.make_jaxpr(jax.grad(loss))(server).jaxpr))
+    shapes = set(live_shapes(jax.make_jaxpr(jax.grad(loss))(server).jaxpr))
     assert [v.shape for v in server.values() if (N, *v.shape) in shapes] == []
