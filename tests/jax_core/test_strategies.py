@@ -250,7 +250,7 @@ def test_runs_without_a_program_and_ignores_an_outer_one():
 
 _FEDAVG_CHILD = textwrap.dedent(
     """
-    import resource, sys
+    import sys
     import jax, jax.numpy as jnp
     from bridge_mr import jax_core
 
@@ -269,15 +269,17 @@ _FEDAVG_CHILD = textwrap.dedent(
     delta = fedavg(params, clients, counts)
     jax.block_until_ready(delta)
     assert delta["w"].shape == (256, 4096) and bool(jnp.all(jnp.isfinite(delta["w"])))
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child of a large
+    # pytest process would report at least the parent's peak. VmHWM is this address space's.
+    status = open("/proc/self/status").read().splitlines()
+    print(next(line for line in status if line.startswith("VmHWM:")).split()[1])  # KiB
     """
 )
 
 
 def test_fedavg_round_of_4096_clients_on_1m_parameters_in_chunks_of_32_under_2_gb():
     # Unchunked, the round holds 4096 deltas of 4 MiB each (16 GiB).
-    # The child's XLA flags are set here, not inherited: earlier tests in the same session may
-    # have changed os.environ, and without the recommended flags XLA CPU holds far more.
+    # The child's XLA flags are set here, not inherited from an environment tests may change.
     flags = recommended_xla_flags("--xla_force_host_platform_device_count=8")
     out = run_python(["-c", _FEDAVG_CHILD, "4096", "32"], env={"XLA_FLAGS": flags}, timeout=600)
     peak_kib = int(out.split()[-1])
