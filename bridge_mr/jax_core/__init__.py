@@ -5,6 +5,7 @@ from ._api import map_fn as map_fn
 from ._api import reduce_mean as reduce_mean
 from ._api import reduce_sum as reduce_sum
 from ._api import reduce_weighted_mean as reduce_weighted_mean
+from ._layouts import canonical_layouts as canonical_layouts
 from ._map_reduce import map_reduce as map_reduce
 from ._mesh import ambient_mesh as ambient_mesh
 from ._primitives import broadcast_p as broadcast_p
@@ -19,6 +20,7 @@ __all__ = [
     "ambient_mesh",
     "broadcast",
     "broadcast_p",
+    "canonical_layouts",
     "current_placement",
     "map_fn",
     "map_reduce",

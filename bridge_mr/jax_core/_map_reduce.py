@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _primitives
 from ._api import broadcast, map_fn, reduce_mean, reduce_sum, reduce_weighted_mean
+from ._layouts import canonical_layouts
 from ._mesh import AnyMesh, axis_type, placement_mesh
 from ._program import Placement, program
 
@@ -101,6 +102,8 @@ def map_reduce(
     if weights is not None:
         _check_weights(weights, n)
     client_fn = _ArrayResults(fn)
+    if jax.default_backend() == "cpu":
+        client_fn = canonical_layouts(client_fn)
     with program(placements={placement: n}) as where:
         if strategy == "vmap":
             return _vmapped(client_fn, server, clients, weights, reduce, mesh)

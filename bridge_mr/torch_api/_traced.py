@@ -18,17 +18,19 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from bridge_mr import runners
+from bridge_mr import jax_core, runners
 from bridge_mr._dtypes import Aval, is_differentiable, torch_dtype
 
 from ._signature import TENSOR
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 PyTree = Any
 
@@ -161,7 +163,7 @@ def trace(spec: CallSpec, counter: TraceCounter) -> TracedCall:
     Raises:
       TypeError: the JAX function used torch, or returned a non-array or a dtype torch lacks.
     """
-    structured = jax.jit(functools.partial(_forward, spec, counter))
+    structured = jax.jit(_on_device(spec, functools.partial(_forward, spec, counter)))
     with runners.trace_context(spec.device_type):
         traced = structured.trace(*_shape_structs(spec.in_avals))
     _, outputs = traced.out_info
@@ -171,7 +173,7 @@ def trace(spec: CallSpec, counter: TraceCounter) -> TracedCall:
 
 def residual_vjp(call: TracedCall) -> runners.Jitted:
     """The jitted VJP over forward's residuals: (float cotangents, residuals) -> gradients."""
-    jitted = jax.jit(functools.partial(_backward, call))
+    jitted = jax.jit(_on_device(call.spec, functools.partial(_backward, call)))
     with runners.trace_context(call.spec.device_type):
         jitted.trace(*_shape_structs((*call.cotangent_avals, *call.extra_avals)))
     return jitted
@@ -206,6 +208,12 @@ def cotangents(outputs: Outputs, float_cotangents: Sequence[Any]) -> list[Any]:
         else np.zeros(shape, dtype if jnp.issubdtype(dtype, jnp.inexact) else jax.dtypes.float0)
         for i, (shape, dtype) in enumerate(outputs.avals)
     ]
+
+
+def _on_device(spec: CallSpec, program: F) -> F:
+    """`program` as compiled for `spec`'s device: on CPU, every convolution in the layout XLA
+    runs fast, those of the gradients and those in loop bodies too (`canonical_layouts`)."""
+    return jax_core.canonical_layouts(program) if spec.device_type == "cpu" else program
 
 
 def _shape_structs(avals: Sequence[Aval]) -> list[jax.ShapeDtypeStruct]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 import pytest
 import torch
@@ -178,3 +179,43 @@ def test_gradcheck_and_gradgradcheck_of_looped_strategies(strategy, chunk_size):
     inputs = (params["w"], params["b"], x, w)
     assert torch.autograd.gradcheck(f, inputs)
     assert torch.autograd.gradgradcheck(f, inputs)
+
+
+def _cnn_loss(params, batch):
+    """A convolution in PyTorch's layouts (NCHW / OIHW), as F.conv2d computes it."""
+    x, y = batch["x"], batch["y"]
+    h = jax.lax.conv_general_dilated(
+        x, params["k"], (1, 1), "VALID", dimension_numbers=("NCHW", "OIHW", "NCHW")
+    )
+    h = jnp.tanh(h + params["c"][:, None, None])
+    return jnp.mean((h.mean(axis=(1, 2, 3)) - y) ** 2)
+
+
+def _torch_cnn_loss(params, batch):
+    h = torch.tanh(torch.nn.functional.conv2d(batch["x"], params["k"], params["c"]))
+    return torch.mean((h.mean(dim=(1, 2, 3)) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize(("strategy", "chunk_size"), EXPLICIT)
+@pytest.mark.parametrize("output", ["scalar", "pytree"])
+def test_a_convolutional_client_matches_torch_through_autograd(strategy, chunk_size, output):
+    # On CPU the convolutions (and their gradients) are rewritten into XLA's fast layout.
+    gen = torch.Generator().manual_seed(3)
+    params = {"k": torch.randn(4, 3, 3, 3, generator=gen), "c": torch.randn(4, generator=gen)}
+    clients = {
+        "x": torch.randn(5, 2, 3, 8, 8, generator=gen),
+        "y": torch.randn(5, 2, generator=gen),
+    }
+    for p in params.values():
+        p.requires_grad_()
+    fn = _cnn_loss if output == "scalar" else (lambda p, b: {"loss": _cnn_loss(p, b), "k": p["k"]})
+    out = map_reduce(fn, params, clients, strategy=strategy, chunk_size=chunk_size)
+    loss = out if output == "scalar" else out["loss"] + out["k"].sin().sum()
+    got = torch.autograd.grad(loss, list(params.values()))
+    want_loss = torch.stack(
+        [_torch_cnn_loss(params, {k: v[i] for k, v in clients.items()}) for i in range(5)]
+    ).mean()
+    if output == "pytree":
+        want_loss = want_loss + params["k"].sin().sum()
+    want = torch.autograd.grad(want_loss, list(params.values()))
+    assert_trees_all_close((loss, got), (want_loss, want), rtol=1e-4, atol=1e-5)
