@@ -14,6 +14,10 @@ All strategies compute the same values and gradients; they differ in speed and m
   peak memory O(chunk_size · per-client size) whatever the number of clients, forward and
   gradient alike. (`lax.map(batch_size=...)` does not bound memory this way: its gradient keeps
   every chunk's residuals.)
+
+On CPU the client function runs through `canonical_layouts`: its convolutions, which the loops
+of "per_client" and "chunks" (and a scan of local steps inside `fn`) would otherwise keep out of
+XLA:CPU's fast layout.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ _STRATEGIES: tuple[str, ...] = ("auto", "vmap", "per_client", "chunks")
 AUTO_CHUNK_SIZES: tuple[int, ...] = (16, 128)
 #: Timed calls per candidate after one untimed call (which traces and compiles).
 AUTO_REPEATS = 3
+#: A candidate whose first timed call takes over this multiple of the fastest first timed call
+#: is not timed again: it cannot win.
+AUTO_GIVE_UP = 2.0
 #: A candidate replaces vmap only when its median time is below this fraction of vmap's.
 AUTO_MARGIN = 0.9
 #: A call for which vmap takes less (seconds) keeps vmap without trying the others: no more
@@ -45,6 +48,7 @@ AUTO_MIN_SECONDS = 0.005
 _MAX_CHOICES = 256
 
 _LOG = logging.getLogger("bridge_mr")
+_TOO_FAST = "not tried: vmap takes under AUTO_MIN_SECONDS"
 
 
 class ClientFn(Protocol):
@@ -82,11 +86,14 @@ def map_reduce(
     call's own tensors: each candidate is compiled once to read its memory estimate (XLA's
     memory analysis), those over `memory_budget_bytes` are never run, the others run once
     untimed and then `AUTO_REPEATS` times timed (with the backward pass when gradients are
-    needed, through `torch.autograd.grad`, so no `.grad` changes). vmap goes first; when it
-    takes under `AUTO_MIN_SECONDS` the others are not tried (too little to gain). The fastest
+    needed, through `torch.autograd.grad`, so no `.grad` changes): one timed call each first,
+    then the rest for those within `AUTO_GIVE_UP` times the fastest (the others cannot win).
+    vmap goes first;
+    when it takes under `AUTO_MIN_SECONDS` the others are not tried (too little to gain). The
+    fastest
     median wins, but a candidate replaces vmap only when it is clearly faster (median below
     `AUTO_MARGIN` times vmap's), so noise never picks a slower strategy. That cost, two
-    compilations and four calls per candidate tried (vmap's program is kept for later calls,
+    compilations and up to four calls per candidate tried (vmap's program is kept for later calls,
     and counts in `trace_counts`), is paid on the first call of a signature; later calls run
     the choice directly.
     `bridge_mr.map_reduce_choices()` lists the choices with their timings, and the
@@ -260,6 +267,8 @@ class Candidate:
         needed), or None where the backend reports none.
       seconds: the median of the timed calls, or None when it was not timed.
       skipped: why it was not timed ("" when it was).
+      timed_calls: how many calls were timed: `AUTO_REPEATS`, or one when the first took over
+        `AUTO_GIVE_UP` times the fastest candidate's first.
     """
 
     strategy: Measured
@@ -267,6 +276,7 @@ class Candidate:
     memory_bytes: int | None
     seconds: float | None
     skipped: str = ""
+    timed_calls: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,33 +373,49 @@ def _measure(args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int
     plans: list[tuple[Measured, int | None]] = [("vmap", None)]
     if not _explicit_placement(placement, mesh):  # Which only vmap supports.
         plans += [("per_client", None), *(("chunks", k) for k in AUTO_CHUNK_SIZES if k < n)]
-    candidates: list[Candidate] = []
-    for strategy, chunk_size in plans:
-        vmap_seconds = candidates[0].seconds if candidates else None
-        if vmap_seconds is not None and vmap_seconds < AUTO_MIN_SECONDS:
-            skipped = "not tried: vmap takes under AUTO_MIN_SECONDS"
-            candidates.append(Candidate(strategy, chunk_size, None, None, skipped))
-            continue
-        memory = _memory_estimate(args, strategy, chunk_size, bool(grads))
-        if memory is not None and memory > budget:
-            skipped = "over the memory budget"
-            candidates.append(Candidate(strategy, chunk_size, memory, None, skipped))
-            continue
-        # vmap, the usual choice, runs in MAP_REDUCE, which keeps its program for later calls.
-        runner = MAP_REDUCE if strategy == "vmap" else _MEASURING
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    # Every candidate's first timed call, then more calls for those that can still win: a
+    # slow candidate (vmap of a CNN's grouped convolutions) costs two calls, not four.
+    entries: list[tuple[Measured, int | None, int | None, str, Callable[[], None] | None]] = []
+    times: dict[int, list[float]] = {}
+    try:
+        for strategy, chunk_size in plans:
+            if times.get(0) and times[0][0] < AUTO_MIN_SECONDS:
+                entries.append((strategy, chunk_size, None, _TOO_FAST, None))
+                continue
+            memory = _memory_estimate(args, strategy, chunk_size, bool(grads))
+            if memory is not None and memory > budget:
+                entries.append((strategy, chunk_size, memory, "over the memory budget", None))
+                continue
+            # vmap, the usual choice, runs in MAP_REDUCE, which keeps its program for later.
+            runner = MAP_REDUCE if strategy == "vmap" else _MEASURING
 
-        def call(
-            runner: TorchFunction = runner,
-            strategy: Measured = strategy,
-            chunk_size: int | None = chunk_size,
-        ) -> None:
-            _backward(runner(*args, strategy, chunk_size), grads)
+            def call(
+                runner: TorchFunction = runner,
+                strategy: Measured = strategy,
+                chunk_size: int | None = chunk_size,
+            ) -> None:
+                _backward(runner(*args, strategy, chunk_size), grads)
 
-        try:
-            seconds = _median_seconds(call, tensors)
-        finally:
-            _MEASURING.clear_cache()
-        candidates.append(Candidate(strategy, chunk_size, memory, seconds))
+            call()  # Untimed: traces and compiles.
+            times[len(entries)] = [_timed(call, cuda)]
+            entries.append((strategy, chunk_size, memory, "", call))
+        best = min((t[0] for t in times.values()), default=0.0)
+        for i, timed in times.items():
+            again = entries[i][4]
+            assert again is not None  # Timed, so callable.
+            while len(timed) < AUTO_REPEATS and timed[-1] <= AUTO_GIVE_UP * best:
+                timed.append(_timed(again, cuda))
+    finally:
+        _MEASURING.clear_cache()
+    candidates = [
+        Candidate(strategy, chunk_size, memory, None, skipped)
+        if i not in times
+        else Candidate(
+            strategy, chunk_size, memory, statistics.median(times[i]), timed_calls=len(times[i])
+        )
+        for i, (strategy, chunk_size, memory, skipped, _) in enumerate(entries)
+    ]
     choice = _pick(candidates, budget)
     choice = dataclasses.replace(
         choice,
@@ -440,20 +466,15 @@ def _backward(out: PyTree, grads: Sequence[torch.Tensor]) -> None:
         )
 
 
-def _median_seconds(call: Callable[[], None], tensors: Sequence[torch.Tensor]) -> float:
-    """Runs `call` once untimed, then `AUTO_REPEATS` times timed; the median, in seconds."""
-    cuda = [t.device for t in tensors if t.device.type == "cuda"][:1]
+def _timed(call: Callable[[], None], cuda: torch.device | None) -> float:
+    """Seconds one `call` takes (synchronising `cuda`, if any, before and after)."""
+    if cuda is not None:
+        torch.cuda.synchronize(cuda)
+    start = time.perf_counter()
     call()
-    seconds = []
-    for _ in range(AUTO_REPEATS):
-        if cuda:
-            torch.cuda.synchronize(cuda[0])
-        start = time.perf_counter()
-        call()
-        if cuda:
-            torch.cuda.synchronize(cuda[0])
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    if cuda is not None:
+        torch.cuda.synchronize(cuda)
+    return time.perf_counter() - start
 
 
 def _memory_estimate(

@@ -81,6 +81,8 @@ def test_auto_measures_once_per_signature_and_reports_it(caplog, monkeypatch):
     labels = [(c.strategy, c.chunk_size) for c in choice.candidates]
     assert labels == [("vmap", None), ("per_client", None), ("chunks", 16)]
     assert all(c.seconds is not None and c.seconds > 0 for c in choice.candidates)
+    # The fastest first call is within AUTO_GIVE_UP of itself: that candidate is timed fully.
+    assert max(c.timed_calls for c in choice.candidates) == _map_reduce.AUTO_REPEATS
     assert (choice.strategy, choice.chunk_size) in labels
     # The rule, checked on the recorded medians: another strategy only when clearly faster.
     seconds = {(c.strategy, c.chunk_size): c.seconds or 0.0 for c in choice.candidates}
@@ -96,6 +98,20 @@ def test_auto_measures_once_per_signature_and_reports_it(caplog, monkeypatch):
     assert "with gradients" not in bridge_mr.map_reduce_choices()[1].signature
     bridge_mr.clear_caches()
     assert bridge_mr.map_reduce_choices() == []
+
+
+def test_auto_stops_timing_a_candidate_that_cannot_win(monkeypatch):
+    monkeypatch.setattr(_map_reduce, "AUTO_MIN_SECONDS", 0.0)
+    # Every first timed call is "over 0x the fastest": no candidate is timed twice.
+    monkeypatch.setattr(_map_reduce, "AUTO_GIVE_UP", 0.0)
+    bridge_mr.clear_caches()
+    params, clients, _ = _case(n=20)
+    with torch.no_grad():
+        map_reduce(_loss, params, clients)
+    (choice,) = bridge_mr.map_reduce_choices()
+    assert len(choice.candidates) == 3
+    assert all(c.timed_calls == 1 and c.seconds is not None for c in choice.candidates)
+    bridge_mr.clear_caches()
 
 
 def test_auto_keeps_a_fast_vmap_without_trying_the_others():
