@@ -202,29 +202,54 @@ def build_torch_loop(cfg: FedConfig) -> Callable[[], Any]:
 
         return fedsgd_round
 
+    return torch_fedavg_loop(
+        model,
+        cfg.clients,
+        cfg.local_steps,
+        cfg.lr,
+        lambda local, c, k: torch_loss(local(xs[c, k]), ys[c, k]),
+    )
+
+
+def torch_fedavg_loop(
+    model: Any,
+    clients: int,
+    local_steps: int,
+    lr: float,
+    step_loss: Callable[[Any, int, int], Any],
+) -> Callable[[], Any]:
+    """A FedAvg round as a Python loop over clients, updating `model`'s parameters in place.
+
+    Per client: the server weights copied into a local copy of `model`, `local_steps` steps of
+    `torch.optim.SGD` on `step_loss(local_model, client, step)`, the delta added to a sum; then
+    the server adds the mean delta. Returns the round (a function returning the parameters).
+    """
+    import torch
+
+    server = list(model.parameters())
     local = copy.deepcopy(model)
     local_params = list(local.parameters())
-    local_optimizer = torch.optim.SGD(local_params, lr=cfg.lr)
+    optimizer = torch.optim.SGD(local_params, lr=lr)
     delta_sum = [torch.zeros_like(p) for p in server]
 
     def fedavg_round() -> Any:
         with torch.no_grad():
             for d in delta_sum:
                 d.zero_()
-        for c in range(cfg.clients):
+        for c in range(clients):
             with torch.no_grad():
                 for lp, p in zip(local_params, server, strict=True):
                     lp.copy_(p)
-            for k in range(cfg.local_steps):
-                local_optimizer.zero_grad()
-                torch_loss(local(xs[c, k]), ys[c, k]).backward()
-                local_optimizer.step()
+            for k in range(local_steps):
+                optimizer.zero_grad()
+                step_loss(local, c, k).backward()
+                optimizer.step()
             with torch.no_grad():
                 for d, lp, p in zip(delta_sum, local_params, server, strict=True):
                     d.add_(lp).sub_(p)
         with torch.no_grad():
             for p, d in zip(server, delta_sum, strict=True):
-                p.add_(d, alpha=1.0 / cfg.clients)
+                p.add_(d, alpha=1.0 / clients)
         return server
 
     return fedavg_round
@@ -942,37 +967,14 @@ def _round_jax_state(cfg: RoundConfig) -> tuple[dict[str, Any], tuple[Any, ...]]
 
 def build_round_torch_loop(cfg: RoundConfig) -> Callable[[], Any]:
     """The round as a Python loop over clients and steps: `nn.Module`, `torch.optim.SGD`."""
-    import torch
-
-    model = round_torch_model(cfg)
     data = _round_torch_data(cfg)
-    server = list(model.parameters())
-    local = copy.deepcopy(model)
-    local_params = list(local.parameters())
-    optimizer = torch.optim.SGD(local_params, lr=cfg.lr)
-    delta_sum = [torch.zeros_like(p) for p in server]
-
-    def torch_loop_round() -> Any:
-        with torch.no_grad():
-            for d in delta_sum:
-                d.zero_()
-        for c in range(cfg.clients):
-            with torch.no_grad():
-                for lp, p in zip(local_params, server, strict=True):
-                    lp.copy_(p)
-            for k in range(cfg.local_steps):
-                optimizer.zero_grad()
-                round_torch_loss(cfg.model, local, tuple(a[c, k] for a in data)).backward()
-                optimizer.step()
-            with torch.no_grad():
-                for d, lp, p in zip(delta_sum, local_params, server, strict=True):
-                    d.add_(lp).sub_(p)
-        with torch.no_grad():
-            for p, d in zip(server, delta_sum, strict=True):
-                p.add_(d, alpha=1.0 / cfg.clients)
-        return server
-
-    return torch_loop_round
+    return torch_fedavg_loop(
+        round_torch_model(cfg),
+        cfg.clients,
+        cfg.local_steps,
+        cfg.lr,
+        lambda local, c, k: round_torch_loss(cfg.model, local, tuple(a[c, k] for a in data)),
+    )
 
 
 def build_round_torch_vmap(cfg: RoundConfig) -> Callable[[], Any]:
