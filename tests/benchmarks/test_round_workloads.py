@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import numpy as np
@@ -12,13 +11,6 @@ from helpers import assert_trees_all_close
 pytestmark = pytest.mark.filterwarnings(
     "ignore:jax.interpreters.pxla.thread_resources is deprecated:DeprecationWarning"
 )
-
-
-@pytest.fixture(scope="module")
-def workloads(pytestconfig: pytest.Config) -> ModuleType:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.workloads")
 
 
 def test_the_cnn_is_pfls_simple_cnn(workloads: ModuleType) -> None:

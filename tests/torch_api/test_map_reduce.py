@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 from helpers import assert_trees_all_close
+from helpers.clients import client_loss, torch_client_loss
 from helpers.precision import precisions
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,16 +22,6 @@ from bridge_mr import jax_core
 from bridge_mr.torch_api import broadcast, map_reduce
 
 F64 = torch.float64
-
-
-def _client_loss(params, batch):
-    hidden = jnp.tanh(batch["x"] @ params["w"].T + params["b"])
-    return jnp.mean((hidden.sum(-1) - batch["y"]) ** 2)
-
-
-def _torch_client_loss(params, x, y):
-    hidden = torch.tanh(x @ params["w"].T + params["b"])
-    return ((hidden.sum(-1) - y) ** 2).mean()
 
 
 def _case(n, width=2, batch=3, seed=0, dtype=torch.float32):
@@ -49,7 +40,7 @@ def _case(n, width=2, batch=3, seed=0, dtype=torch.float32):
 
 def _torch_reference(params, clients, weights, reduce):
     losses = torch.stack(
-        [_torch_client_loss(params, x, y) for x, y in zip(clients["x"], clients["y"], strict=True)]
+        [torch_client_loss(params, x, y) for x, y in zip(clients["x"], clients["y"], strict=True)]
     )
     if reduce == "sum":
         return losses.sum()
@@ -66,7 +57,7 @@ def test_gradcheck_and_gradgradcheck_wrt_server_clients_and_weights(reduce):
 
     def f(w, b, x, *maybe_weights):
         return map_reduce(
-            _client_loss,
+            client_loss,
             {"w": w, "b": b},
             {"x": x, "y": clients["y"]},
             reduce=reduce,
@@ -99,7 +90,7 @@ def test_equals_a_pure_torch_loop(dtype, tolerances, n, width, seed, reduce):
     for p in params.values():
         p.requires_grad_()
     got = map_reduce(
-        _client_loss,
+        client_loss,
         params,
         clients,
         reduce=reduce,
@@ -116,7 +107,7 @@ def test_pytree_outputs_and_jax_fallthrough():
     params, clients, _ = _case(4)
 
     def stats(p, batch):
-        return {"loss": _client_loss(p, batch), "count": jnp.asarray(batch["y"].shape[0])}
+        return {"loss": client_loss(p, batch), "count": jnp.asarray(batch["y"].shape[0])}
 
     out = map_reduce(stats, params, clients, reduce="sum")
     assert_trees_all_close(out["count"], torch.tensor(12))
@@ -227,7 +218,7 @@ def test_sharded_over_a_mesh_equals_unsharded(axis_type):
 
     def run(reduce="mean", **kwargs):
         loss = map_reduce(
-            _client_loss,
+            client_loss,
             server,
             clients,
             reduce=reduce,
@@ -243,9 +234,9 @@ def test_sharded_over_a_mesh_equals_unsharded(axis_type):
     assert_trees_all_close(run(mesh=mesh), run(), **close)
     with torch.no_grad():
         assert_trees_all_close(
-            map_reduce(_client_loss, server, clients, reduce="weighted_mean", weights=weights),
+            map_reduce(client_loss, server, clients, reduce="weighted_mean", weights=weights),
             map_reduce(
-                _client_loss,
+                client_loss,
                 server,
                 clients,
                 reduce="weighted_mean",

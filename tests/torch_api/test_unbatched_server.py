@@ -7,21 +7,12 @@ import jax.numpy as jnp
 import pytest
 import torch
 from helpers import assert_trees_all_close
+from helpers.clients import client_loss, torch_client_loss
 from helpers.jaxprs import live_shapes
 
 import bridge_mr
 
 N = 4
-
-
-def _client_loss(params, batch):
-    hidden = jnp.tanh(batch["x"] @ params["w"].T + params["b"])
-    return jnp.mean((hidden.sum(-1) - batch["y"]) ** 2)
-
-
-def _torch_client_loss(params, x, y):
-    hidden = torch.tanh(x @ params["w"].T + params["b"])
-    return ((hidden.sum(-1) - y) ** 2).mean()
 
 
 def _case():
@@ -35,10 +26,10 @@ def _case():
 def test_server_gradients_match_a_torch_loop(reduce):
     params, clients = _case()
     params = {k: v.requires_grad_() for k, v in params.items()}
-    loss = bridge_mr.map_reduce(_client_loss, params, clients, reduce=reduce, strategy="vmap")
+    loss = bridge_mr.map_reduce(client_loss, params, clients, reduce=reduce, strategy="vmap")
     loss.backward()
     losses = torch.stack(
-        [_torch_client_loss(params, x, y) for x, y in zip(clients["x"], clients["y"], strict=True)]
+        [torch_client_loss(params, x, y) for x, y in zip(clients["x"], clients["y"], strict=True)]
     )
     expected = losses.sum() if reduce == "sum" else losses.mean()
     expected_grads = torch.autograd.grad(expected, list(params.values()))
@@ -55,7 +46,7 @@ def test_the_traced_program_has_no_per_client_copy_of_the_server():
     data = {k: jnp.asarray(v.numpy()) for k, v in clients.items()}
 
     def loss(server):
-        return bridge_mr.map_reduce(_client_loss, server, data, strategy="vmap")
+        return bridge_mr.map_reduce(client_loss, server, data, strategy="vmap")
 
     shapes = set(live_shapes(jax.make_jaxpr(jax.grad(loss))(server).jaxpr))
     assert [v.shape for v in server.values() if (N, *v.shape) in shapes] == []
