@@ -88,14 +88,12 @@ def map_reduce(
     untimed and then `AUTO_REPEATS` times timed (with the backward pass when gradients are
     needed, through `torch.autograd.grad`, so no `.grad` changes): one timed call each first,
     then the rest for those within `AUTO_GIVE_UP` times the fastest (the others cannot win).
-    vmap goes first;
-    when it takes under `AUTO_MIN_SECONDS` the others are not tried (too little to gain). The
-    fastest
-    median wins, but a candidate replaces vmap only when it is clearly faster (median below
-    `AUTO_MARGIN` times vmap's), so noise never picks a slower strategy. That cost, two
-    compilations and up to four calls per candidate tried (vmap's program is kept for later calls,
-    and counts in `trace_counts`), is paid on the first call of a signature; later calls run
-    the choice directly.
+    vmap goes first; when it takes under `AUTO_MIN_SECONDS` the others are not tried (too
+    little to gain). The fastest median wins, but a candidate replaces vmap only when it is
+    clearly faster (median below `AUTO_MARGIN` times vmap's), so noise never picks a slower
+    strategy. That cost, two compilations and up to four calls per candidate tried (vmap's
+    program is kept for later calls, and counts in `trace_counts`), is paid on the first call
+    of a signature; later calls run the choice directly.
     `bridge_mr.map_reduce_choices()` lists the choices with their timings, and the
     "bridge_mr" logger reports each at DEBUG level. "auto" runs vmap without measuring for
     JAX inputs, torch-xla tensors (whose lazy calls cannot be timed one by one) and under
