@@ -1041,8 +1041,14 @@ def build_round_xla_per_client(cfg: RoundConfig) -> Callable[[], Any]:
     params, data = _round_jax_state(cfg)
     clients = [tuple(a[c] for a in data) for c in range(cfg.clients)]  # Sliced once, as views.
     update = round_client_update(cfg, unroll=True)
+    # The XLA options bridge_mr compiles the same CPU program with (convolutions: no YNN fusion).
+    from bridge_mr import jax_core
+
+    options = jax_core.cpu_compiler_options(jax.make_jaxpr(update)(params, clients[0]))
     accumulate = jax.jit(
-        lambda total, p, d: jax.tree.map(jnp.add, total, update(p, d)), donate_argnums=0
+        lambda total, p, d: jax.tree.map(jnp.add, total, update(p, d)),
+        donate_argnums=0,
+        compiler_options=options or None,
     )
     apply = jax.jit(lambda p, total: jax.tree.map(lambda a, t: a + t / cfg.clients, p, total))
     state = [params]

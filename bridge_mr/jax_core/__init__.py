@@ -6,6 +6,7 @@ from ._api import reduce_mean as reduce_mean
 from ._api import reduce_sum as reduce_sum
 from ._api import reduce_weighted_mean as reduce_weighted_mean
 from ._layouts import canonical_layouts as canonical_layouts
+from ._layouts import cpu_compiler_options as cpu_compiler_options
 from ._map_reduce import map_reduce as map_reduce
 from ._mesh import ambient_mesh as ambient_mesh
 from ._primitives import broadcast_p as broadcast_p
@@ -21,6 +22,7 @@ __all__ = [
     "broadcast",
     "broadcast_p",
     "canonical_layouts",
+    "cpu_compiler_options",
     "current_placement",
     "map_fn",
     "map_reduce",

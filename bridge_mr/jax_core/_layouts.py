@@ -10,6 +10,12 @@ does every convolution of its gradient, which comes in the layouts the transpose
 becomes transposes around a canonical convolution. The values are the same convolution's (the
 transposes only move data), gradients are taken of the rewritten program as usual, and outside
 loops XLA finds the transposes it would have inserted itself.
+
+`cpu_compiler_options` gives the XLA compiler options a CPU program with convolutions compiles
+best with: YNNPACK's fusions (on by default in jaxlib 0.10) slow the convolutions' neighbours and
+gradients down (see benchmarks/results/NOTES.md), so programs with convolutions compile without
+them; programs without keep the process's setting (`recommended_xla_flags`), which suits dense
+layers best.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from jax.extend import core
 from jax.extend.core.primitives import conv_general_dilated_p
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: The per-compile override of `--xla_cpu_experimental_ynn_fusion_type`: no YNNPACK fusion type.
+#: jaxlib 0.10.2 (the oldest bridge_mr supports); a jaxlib that drops the option rejects it at
+#: compile time, which tests/jax_core/test_layouts.py pins.
+_NO_YNN_FUSIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def canonical_layouts(fn: F) -> F:
@@ -60,6 +71,44 @@ def canonical_layouts(fn: F) -> F:
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return rewritten  # type: ignore[return-value]
+
+
+def cpu_compiler_options(jaxpr: core.ClosedJaxpr | core.Jaxpr) -> dict[str, str]:
+    """The XLA compiler options bridge_mr compiles `jaxpr` with for CPU (see the module).
+
+    `{"xla_cpu_experimental_ynn_fusion_type": ""}` (no YNNPACK fusion) when `jaxpr` (or any
+    sub-jaxpr) has a convolution, else none. bridge_mr's torch functions compile their CPU
+    programs so; pass them yourself where you jit a JAX program with convolutions (a CNN's
+    FedAvg round through `map_reduce`, say).
+
+    Args:
+      jaxpr: the program, as `jax.make_jaxpr(f)(*args)` or `jax.jit(f).trace(*args).jaxpr`
+        gives it.
+
+    Returns:
+      Options for `jax.jit(..., compiler_options=...)` or `.lower(...).compile(...)`; a new
+      dict (empty: nothing to override).
+
+    Example:
+      >>> traced = jax.jit(fedavg_round).trace(params, data)
+      >>> compiled = traced.lower().compile(cpu_compiler_options(traced.jaxpr))
+    """
+    found = _has_convolution(jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr)
+    return dict(_NO_YNN_FUSIONS) if found else {}
+
+
+def _has_convolution(jaxpr: core.Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is conv_general_dilated_p:
+            return True
+        for value in eqn.params.values():
+            subs = value if isinstance(value, tuple) else (value,)
+            for sub in subs:
+                if isinstance(sub, core.ClosedJaxpr) and _has_convolution(sub.jaxpr):
+                    return True
+                if isinstance(sub, core.Jaxpr) and _has_convolution(sub):
+                    return True
+    return False
 
 
 def _closed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:

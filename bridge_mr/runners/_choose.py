@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh
@@ -21,6 +21,7 @@ def runner_for(
     n_exported: int,
     mesh: Mesh | None,
     carried_avals: Sequence[Aval] = (),
+    compiler_options: Mapping[str, str] | None = None,
 ) -> Runner:
     """The runner of `program` for tensors of `device_type` ("cpu", "cuda" or "xla").
 
@@ -33,6 +34,8 @@ def runner_for(
         over it, outputs gathered); None otherwise. The torch-xla runner takes its mesh from
         the trace context instead.
       carried_avals: shapes and dtypes of the carried inputs that follow the tensors.
+      compiler_options: XLA options to compile `jitted` with (CPU and CUDA; `jitted` itself
+        jitted without any: jax.jit takes them at the top level only).
 
     Returns:
       A callable `(tensors, carried) -> (exported tensors, carried values)`.
@@ -44,7 +47,7 @@ def runner_for(
     """
     if device_type == "xla":
         return _xla.XlaRunner(jitted, [*in_avals, *carried_avals], n_exported)
-    return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh)
+    return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh, compiler_options)
 
 
 def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import jax
@@ -58,10 +58,17 @@ class DlpackRunner:
         arrays (carried, e.g. VJP residuals for a later program on this runner).
       mesh: a multi-device mesh the program shards over: tensor inputs are replicated over it
         and exported outputs gathered, so torch sees one device. None for one device.
+      compiler_options: XLA options to compile `jitted` with (`jitted` itself must have none:
+        jax.jit takes them at the top level only).
     """
 
     def __init__(
-        self, jitted: Jitted, in_avals: Sequence[Aval], n_exported: int, mesh: Mesh | None
+        self,
+        jitted: Jitted,
+        in_avals: Sequence[Aval],
+        n_exported: int,
+        mesh: Mesh | None,
+        compiler_options: Mapping[str, str] | None = None,
     ) -> None:
         self._jitted = jitted
         self._in_avals = list(in_avals)
@@ -69,7 +76,11 @@ class DlpackRunner:
         self._n_exported = n_exported
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         wrap = self._groups or self._replicated is not None
-        self._run = jax.jit(self._unpacking) if wrap else jitted
+        run = self._unpacking if wrap else jitted
+        if compiler_options:  # jax.jit takes them at the top level only: this one.
+            self._run = jax.jit(run, compiler_options=dict(compiler_options))
+        else:
+            self._run = jax.jit(run) if wrap else jitted
         self._poll = True
 
     def _unpacking(self, *flat: jax.Array) -> list[jax.Array]:

@@ -83,6 +83,7 @@ class Backward:
                         len(spec.diff),
                         spec.mesh,
                         carried_avals=traced.extra_avals,
+                        compiler_options=traced.compiler_options,
                     )
         return self._runner
 

@@ -125,8 +125,14 @@ class _OpEntry:
                     traced = self.traced
                     spec = traced.spec
                     n_total = traced.outputs.n_out + len(traced.extra_avals)
+                    options = traced.compiler_options
                     forward = runners.runner_for(
-                        spec.device_type, traced.forward, spec.in_avals, n_total, spec.mesh
+                        spec.device_type,
+                        traced.forward,
+                        spec.in_avals,
+                        n_total,
+                        spec.mesh,
+                        compiler_options=options,
                     )
                     backward = None
                     if spec.diff and not traced.outputs.fused:
@@ -136,6 +142,7 @@ class _OpEntry:
                             [*traced.cotangent_avals, *traced.extra_avals],
                             len(spec.diff),
                             spec.mesh,
+                            compiler_options=options,
                         )
                     self._runners = (forward, backward)
         return self._runners

@@ -276,7 +276,12 @@ class TorchFunction:
     def _new_entry(self, traced: TracedCall) -> Entry:
         spec = traced.spec
         forward = runners.runner_for(
-            spec.device_type, traced.forward, spec.in_avals, traced.n_exported, spec.mesh
+            spec.device_type,
+            traced.forward,
+            spec.in_avals,
+            traced.n_exported,
+            spec.mesh,
+            compiler_options=traced.compiler_options,
         )
         return Entry(traced, forward, Backward(traced, _derived))
 

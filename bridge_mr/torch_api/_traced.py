@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -133,6 +133,9 @@ class TracedCall:
     forward: runners.Jitted
     outputs: Outputs
     counter: TraceCounter
+    #: The XLA options the runners compile forward and the VJP over its residuals with (on CPU:
+    #: no YNNPACK fusions where the program has convolutions, `jax_core.cpu_compiler_options`).
+    compiler_options: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def n_exported(self) -> int:
@@ -167,8 +170,9 @@ def trace(spec: CallSpec, counter: TraceCounter) -> TracedCall:
     with runners.trace_context(spec.device_type):
         traced = structured.trace(*_shape_structs(spec.in_avals))
     _, outputs = traced.out_info
+    options = jax_core.cpu_compiler_options(traced.jaxpr) if spec.device_type == "cpu" else {}
     forward = jax.jit(functools.partial(_outputs_of, structured, spec.name, outputs))
-    return TracedCall(spec, forward, outputs, counter)
+    return TracedCall(spec, forward, outputs, counter, options)
 
 
 def residual_vjp(call: TracedCall) -> runners.Jitted:

@@ -214,3 +214,59 @@ def test_canonical_layouts_of_an_outer_gradient_canonicalises_its_convolutions_t
     assert all(CANONICAL in c for c in convolutions), convolutions
     want = jax.grad(lambda p, d: _reference_mean(_loss, p, d))(params, data)
     assert_trees_all_close(wrapped(params, data), want, **CLOSE)
+
+
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+YNN_FUSION = "__ynn_fusion"
+
+
+def _round(strategy="per_client"):
+    def round_(p, d):
+        update = lambda q, c: _local_sgd(q, c, unroll=False)
+        return mr.map_reduce(update, p, d, strategy=strategy)
+
+    return round_
+
+
+def _dense(p, d):
+    features = lambda x: x.reshape(x.shape[0], -1)[:, :180]
+    return mr.map_reduce(lambda q, c: jnp.tanh(features(c[0]) @ q["head"]), p, d)
+
+
+def _with_jvp(f):
+    g = jax.custom_jvp(f)
+    g.defjvp(lambda primals, tangents: (f(*primals), jax.jvp(f, primals, tangents)[1]))
+    return g
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        lambda f: f,
+        lambda f: lambda p, d: lax.cond(True, f, lambda p, d: f(p, d) * 0, p, d),
+        lambda f: jax.checkpoint(f),
+        lambda f: _with_jvp(f),
+        lambda f: jax.grad(lambda p, d: jax.tree.leaves(f(p, d))[0].sum()),
+    ],
+    ids=["top", "cond", "checkpoint", "custom_jvp", "grad"],
+)
+def test_cpu_compiler_options_turn_ynn_fusions_off_for_programs_with_convolutions(where):
+    params, data = _cnn_case()
+    conv = where(lambda p, d: _round()(p, d)["w1"])
+    assert mr.cpu_compiler_options(jax.make_jaxpr(conv)(params, data)) == NO_YNN
+    assert mr.cpu_compiler_options(jax.make_jaxpr(where(_dense))(params, data)) == {}
+
+
+def test_a_cnn_round_compiled_with_the_cpu_options_has_no_ynn_fusion_and_the_same_values():
+    # Pins that this jaxlib knows the option (an unknown one fails the compile) and that it
+    # reaches XLA: the conftest's flags (recommended_xla_flags) leave YNN's other fusions on.
+    params, data = _cnn_case()
+    traced = jax.jit(_round()).trace(params, data)
+    options = mr.cpu_compiler_options(traced.jaxpr)
+    default = traced.lower().compile()
+    without = traced.lower().compile(options)
+    assert YNN_FUSION in default.as_text()
+    assert YNN_FUSION not in without.as_text()
+    assert_trees_all_close(without(params, data), default(params, data), **CLOSE)
+    jaxpr = jax.make_jaxpr(_dense)(params, data)
+    assert mr.cpu_compiler_options(jaxpr.jaxpr) == {}  # An open jaxpr too.

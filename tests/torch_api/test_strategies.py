@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 import torch
 from helpers import assert_trees_all_close
+from helpers.child import run_python
 
 import bridge_mr
 from bridge_mr.torch_api import _map_reduce, map_reduce
@@ -235,3 +238,49 @@ def test_a_convolutional_client_matches_torch_through_autograd(strategy, chunk_s
         want_loss = want_loss + params["k"].sin().sum()
     want = torch.autograd.grad(want_loss, list(params.values()))
     assert_trees_all_close((loss, got), (want_loss, want), rtol=1e-4, atol=1e-5)
+
+
+_DUMPED_ROUNDS = textwrap.dedent(
+    """
+    import os, sys
+    import bridge_mr
+    os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags(
+        f"--xla_dump_to={sys.argv[1]} --xla_dump_hlo_as_text"
+    )
+    import jax, jax.numpy as jnp, torch
+
+    def conv(p, c):
+        dims = ("NCHW", "OIHW", "NCHW")
+        h = jax.lax.conv_general_dilated(c, p["k"], (1, 1), "VALID", dimension_numbers=dims)
+        return jnp.tanh(h).mean() * p["d"].sum()
+
+    def dense(p, c):
+        return jnp.tanh(c.reshape(c.shape[0], -1) @ p["d"]).mean()
+
+    params = {"k": torch.randn(8, 3, 3, 3), "d": torch.randn(192, 64)}
+    for p in params.values():
+        p.requires_grad_()
+    def tree(p, c):  # Not one scalar: forward keeps residuals for a separate VJP program.
+        return {"a": conv(p, c), "b": conv(p, c)}
+
+    for fn in (conv, tree, dense):
+        for strategy in ("vmap", "per_client"):
+            out = bridge_mr.map_reduce(fn, params, torch.randn(6, 4, 3, 8, 8), strategy=strategy)
+            sum(out.values() if isinstance(out, dict) else [out]).backward()
+    """
+)
+
+
+def test_programs_with_convolutions_compile_without_ynn_fusions_on_cpu(tmp_path):
+    # XLA dumps each compiled module; those of the convolutional client have no YNNPACK
+    # fusion (jax_core.cpu_compiler_options), the dense client's keep the process's flags.
+    script = tmp_path / "rounds.py"
+    script.write_text(_DUMPED_ROUNDS)
+    run_python([str(script), str(tmp_path / "dump")])
+    modules = [p.read_text() for p in Path(tmp_path / "dump").glob("*after_optimizations.txt")]
+    convolutional = [m for m in modules if " convolution(" in m]
+    dense = [m for m in modules if " dot(" in m and " convolution(" not in m]
+    # Per strategy: conv's forward (with its gradients), tree's forward and its VJP.
+    assert len(convolutional) >= 6, len(convolutional)
+    assert not [m for m in convolutional if "__ynn_fusion" in m]
+    assert [m for m in dense if "__ynn_fusion" in m], "the check can see a YNN fusion"
