@@ -95,6 +95,21 @@ def _round_configs(ctx: harness.Context, algo: str) -> tuple[list[FedConfig], li
     return configs, notes
 
 
+def _model_targets(cfg: FedConfig) -> list[tuple[str, float, str]]:
+    """The map-strategies issue's targets for `cfg`'s row: (reference, bound on bridge_mr's
+    time over the reference's, description)."""
+    if cfg.algo == "fedsgd" and cfg.model == "medium" and cfg.clients >= 64:
+        return [
+            ("torch_vmap", 1.0, "bridge_mr time / torch.func.vmap time"),
+            ("drjax", 0.5, "bridge_mr time / drjax time (2x faster)"),
+        ]
+    if cfg.algo == "fedavg" and cfg.model == "medium":
+        return [("torch_loop", 1.0, "bridge_mr time / torch loop time")]
+    if cfg.algo == "fedsgd" and cfg.model == "small" and cfg.clients == 8:
+        return [("drjax", 1.5, "bridge_mr time / drjax time (small, fixed cost)")]
+    return []
+
+
 def run_rounds(ctx: harness.Context, algo: str) -> report.CaseResult:
     """Case 3: one FedSGD or FedAvg round, every alternative, small and medium models.
 
@@ -140,6 +155,19 @@ def run_rounds(ctx: harness.Context, algo: str) -> report.CaseResult:
                 report.versus(row, "bridge_mr", BASELINE),
             )
         )
+        for reference, threshold, what in _model_targets(cfg):
+            paired = comparison.ratio("bridge_mr", reference)
+            case.targets.append(
+                report.target(
+                    algo,
+                    row["id"],
+                    what,
+                    None if paired is None else paired["median"],
+                    threshold,
+                    "<=",
+                    report.versus(row, "bridge_mr", reference),
+                )
+            )
         if algo == "fedavg" and cfg.model == "small" and cfg.local_steps >= 10:
             speedup = comparison.ratio("torch_vmap", "bridge_mr")
             case.targets.append(

@@ -45,6 +45,11 @@ AUTO_MARGIN = 0.9
 #: A call for which vmap takes less (seconds) keeps vmap without trying the others: no more
 #: than this per call to gain, against a few compilations to find out.
 AUTO_MIN_SECONDS = 0.005
+#: Without `memory_budget_bytes`, a candidate XLA estimates to need over this many times the
+#: leanest candidate's memory, and over `AUTO_MEMORY_FLOOR` bytes, is not run: measuring it
+#: would set the process's peak memory (vmap of a CNN round at 50 clients: 4x the torch loop's).
+AUTO_MEMORY_FACTOR = 4
+AUTO_MEMORY_FLOOR = 1 << 30
 _MAX_CHOICES = 256
 
 _LOG = logging.getLogger("bridge_mr")
@@ -133,7 +138,9 @@ def map_reduce(
       strategy: "auto", "vmap", "per_client" or "chunks" (see above).
       chunk_size: for "chunks": how many clients run at once (a positive int).
       memory_budget_bytes: for "auto": the most memory a candidate may need by XLA's estimate
-        (default: half the device's memory limit, or half the host's memory on CPU).
+        (default: half the device's memory limit, or half the host's memory on CPU, and at
+        most `AUTO_MEMORY_FACTOR` times the leanest candidate's estimate when that is over
+        `AUTO_MEMORY_FLOOR`).
 
     Returns:
       The reduction of `fn`'s results, with `fn`'s output structure: torch tensors for torch
@@ -367,10 +374,18 @@ def _measure(args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int
     fn, server, clients, _, reduce, placement, mesh = args
     n = _client_count_of(clients)
     grads = [t for t in tensors if torch.is_grad_enabled() and t.requires_grad]
-    budget = _default_budget(tensors[0].device) if budget is None else budget
     plans: list[tuple[Measured, int | None]] = [("vmap", None)]
     if not _explicit_placement(placement, mesh):  # Which only vmap supports.
         plans += [("per_client", None), *(("chunks", k) for k in AUTO_CHUNK_SIZES if k < n)]
+    estimates = {plans[0]: _memory_estimate(args, "vmap", None, bool(grads))}
+    if budget is None:
+        budget = _default_budget(tensors[0].device)
+        if (estimates[plans[0]] or 0) > AUTO_MEMORY_FLOOR:  # Else no candidate is cut.
+            estimates.update({p: _memory_estimate(args, *p, bool(grads)) for p in plans[1:]})
+            leanest = min((m for m in estimates.values() if m is not None), default=None)
+            if leanest is not None:
+                cap = max(AUTO_MEMORY_FACTOR * leanest, AUTO_MEMORY_FLOOR)
+                budget = min(budget, cap)
     cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
     # Every candidate's first timed call, then more calls for those that can still win: a
     # slow candidate (vmap of a CNN's grouped convolutions) costs two calls, not four.
@@ -381,7 +396,11 @@ def _measure(args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int
             if times.get(0) and times[0][0] < AUTO_MIN_SECONDS:
                 entries.append((strategy, chunk_size, None, _TOO_FAST, None))
                 continue
-            memory = _memory_estimate(args, strategy, chunk_size, bool(grads))
+            if (strategy, chunk_size) not in estimates:
+                estimates[strategy, chunk_size] = _memory_estimate(
+                    args, strategy, chunk_size, bool(grads)
+                )
+            memory = estimates[strategy, chunk_size]
             if memory is not None and memory > budget:
                 entries.append((strategy, chunk_size, memory, "over the memory budget", None))
                 continue

@@ -151,6 +151,25 @@ def test_a_memory_budget_rules_out_candidates():
     bridge_mr.clear_caches()
 
 
+def test_auto_does_not_run_a_candidate_needing_many_times_the_leanest_memory(monkeypatch):
+    monkeypatch.setattr(_map_reduce, "AUTO_MEMORY_FLOOR", 0)
+    monkeypatch.setattr(_map_reduce, "AUTO_MIN_SECONDS", 0.0)
+    bridge_mr.clear_caches()
+    # Each client makes a [512, 512] intermediate: vmap holds 32 of them, chunks of 16 hold 16.
+    outer = lambda s, c: jnp.tanh(c[:, None] * s[None, :]).mean()
+    gen = torch.Generator().manual_seed(5)
+    server, clients = torch.randn(512, generator=gen), torch.randn(32, 512, generator=gen)
+    got = map_reduce(outer, server, clients)
+    (choice,) = bridge_mr.map_reduce_choices()
+    memory = {c.strategy: c.memory_bytes or 0 for c in choice.candidates}
+    assert choice.memory_budget_bytes == _map_reduce.AUTO_MEMORY_FACTOR * memory["per_client"]
+    assert choice.strategy == "per_client"
+    assert [c.strategy for c in choice.candidates if c.seconds is not None] == ["per_client"]
+    assert all("memory budget" in c.skipped for c in choice.candidates if c.seconds is None)
+    assert_trees_all_close(got, map_reduce(outer, server, clients, strategy="vmap"), **CLOSE)
+    bridge_mr.clear_caches()
+
+
 def test_jax_inputs_run_vmap_without_measuring():
     bridge_mr.clear_caches()
     params, clients, _ = _case()
