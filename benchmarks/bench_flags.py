@@ -1,27 +1,22 @@
-"""The YNN fusion flag's effect on JAX's side of the rounds: one child process per setting.
+"""YNNPACK fusion settings, compared per compilation on the programs bridge_mr compiles.
 
-    python -m benchmarks.bench_flags [--settings NAME ...] [--passes N] [--rows NAME ...]
+    python -m benchmarks.bench_flags [--settings NAME ...] [--rows NAME ...] [--reps N]
 
-`bridge_mr.recommended_xla_flags()` adds `--xla_cpu_experimental_ynn_fusion_type=-reduce`
-(jax-ml/jax#37465). XLA reads XLA_FLAGS once per process, so each setting runs in its own fresh
-child process (`--child`), which times the JAX alternatives of each row through
-`harness.compare` (quick policy); the settings run one after another, `--passes` times in
-turn (A B C A B C ...), and the table shows, per row and alternative, the median over passes
-of each child's median, and its ratio to the "recommended" one. torch alternatives are left
-out: XLA_FLAGS does not reach them.
-
-Settings: "recommended" (`=-reduce`, what recommended_xla_flags adds), "unset" (no YNN flag:
-jaxlib's default fusions), "empty" (`--xla_cpu_experimental_ynn_fusion_type=`: no YNN fusion
-type at all).
+`--xla_cpu_experimental_ynn_fusion_type` (which XLA:CPU fusions go to YNNPACK) is also a
+per-compilation option (`compile(compiler_options={...})`), so every setting compiles the same
+lowered program in this one process and `harness.compare` times them interleaved, which cancels
+the machine's load drift between settings. The process itself runs with
+`recommended_xla_flags()` (`-reduce`), the "flags" column; the table gives each setting's median
+and its paired ratio to "flags". The rows are pure-JAX programs through `jax_core.map_reduce`
+(bridge_mr's own programs, without the torch side, which the flag does not reach).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,128 +24,137 @@ from typing import Any
 from . import harness
 from .environment import LoadMeter
 
-FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-SETTINGS = {"recommended": f"{FLAG}=-reduce", "unset": "", "empty": f"{FLAG}="}
+OPTION = "xla_cpu_experimental_ynn_fusion_type"
+_DOT, _ELTWISE = "LIBRARY_FUSION_TYPE_DOT", "LIBRARY_FUSION_TYPE_ELTWISE"
 
-#: Row -> the JAX alternatives timed in it.
-#: Pure-JAX alternatives only (drjax: the vmapped round in one jit; xla_per_client: the
-#: single-client program per client): the flag acts on XLA, and they do not move with
-#: bridge_mr's own changes.
-ROWS: dict[str, tuple[str, ...]] = {
-    "cnn grad b10": ("jax.grad (jit)",),
-    "fedavg/cnn/c8": ("xla_per_client", "drjax"),
-    "fedavg/lm/c4": ("xla_per_client", "drjax"),
-    "fedsgd/small/c64": ("drjax",),
-    "fedsgd/medium/c8": ("drjax",),
-    "fedavg/small/c64": ("drjax",),
-    "fedavg/medium/c8": ("drjax",),
+#: Setting -> the option's value (None: the process's XLA_FLAGS, as `recommended_xla_flags()`).
+SETTINGS: dict[str, str | None] = {
+    "flags": None,
+    "none": "",
+    "dot+eltwise": f"{_DOT},{_ELTWISE}",
+    "dot": _DOT,
+    "individual_dot": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    "individual_conv": "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION",
 }
 
+#: Row -> (model, algorithm, clients, strategy).
+ROWS: dict[str, tuple[str, str, int, str]] = {
+    "cnn fedavg c8 per_client": ("cnn", "fedavg", 8, "per_client"),
+    "cnn fedavg c8 vmap": ("cnn", "fedavg", 8, "vmap"),
+    "lm fedavg c4 per_client": ("lm", "fedavg", 4, "per_client"),
+    "small fedsgd c64 vmap": ("small", "fedsgd", 64, "vmap"),
+    "medium fedsgd c64 vmap": ("medium", "fedsgd", 64, "vmap"),
+    "medium fedsgd c64 chunks": ("medium", "fedsgd", 64, "chunks"),
+    "small fedavg c64 vmap": ("small", "fedavg", 64, "vmap"),
+    "medium fedavg c8 vmap": ("medium", "fedavg", 8, "vmap"),
+    "medium fedavg c8 chunks": ("medium", "fedavg", 8, "chunks"),
+}
+CHUNK_SIZE = 16
 
-def _alternatives(row: str) -> dict[str, Callable[[], Any] | str]:
+
+def _program(row: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The row's round as a JAX function and its arguments."""
+    import jax
+    import jax.numpy as jnp
+
+    from bridge_mr import jax_core
+
     from . import workloads
 
-    if row == "cnn grad b10":
-        import jax
-        import jax.numpy as jnp
-
-        cfg = workloads.round_config("cnn", 1)
-        params = {
-            n: jnp.asarray(p.detach().numpy())
-            for n, p in workloads.round_torch_model(cfg).named_parameters()
-        }
-        x, y = workloads.round_data(cfg)
-        batch = (jnp.asarray(x[0, 0]), jnp.asarray(y[0, 0]))
-        grad = jax.jit(jax.grad(workloads.round_jax_loss("cnn")))
-        return {"jax.grad (jit)": lambda: grad(params, batch)}
-    algo, model, clients = row.split("/")
-    count = int(clients.removeprefix("c"))
+    model, algo, clients, strategy = ROWS[row]
+    chunks = {"chunk_size": CHUNK_SIZE} if strategy == "chunks" else {}
     if model in ("cnn", "lm"):
-        cfg: Any = workloads.round_config(model, count)
-    else:
-        cfg = workloads.FedConfig(algo, model, count)
-    return {name: workloads.build(name, cfg) for name in ROWS[row]}
-
-
-def child(rows: list[str]) -> dict[str, dict[str, float | str]]:
-    """Per row and alternative: median seconds per call (or the error), in this process."""
-    import logging
-
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    out: dict[str, dict[str, float | str]] = {}
-    for row in rows:
-        comparison = harness.compare(
-            _alternatives(row), baseline=ROWS[row][0], policy=harness.QUICK
+        cfg = workloads.round_config(model, clients)
+        params, data = workloads.round_jax_state(cfg)
+        update = workloads.round_client_update(cfg)
+        return functools.partial(jax_core.map_reduce, update, strategy=strategy, **chunks), (
+            params,
+            data,
         )
-        out[row] = {
-            name: comparison.median(name) if comparison.ok(name) else str(timing.error)
-            for name, timing in comparison.timings.items()
-        }
+    fed = workloads.FedConfig(algo, model, clients)
+    torch_params = workloads.torch_model(fed.widths).named_parameters()
+    params = {name: jnp.asarray(p.detach().numpy()) for name, p in torch_params}
+    x, y = workloads.client_data(fed)
+    data = (jnp.asarray(x), jnp.asarray(y))
+    if algo == "fedsgd":
+
+        def first_batch_loss(p: Any, client: tuple[Any, Any]) -> Any:
+            return workloads.jax_loss(p, (client[0][0], client[1][0]))
+
+        def mean_loss(p: Any, d: Any) -> Any:
+            return jax_core.map_reduce(first_batch_loss, p, d, strategy=strategy, **chunks)
+
+        return jax.grad(mean_loss), (params, data)
+    update = functools.partial(workloads.jax_client_update, lr=fed.lr)
+    return functools.partial(jax_core.map_reduce, update, strategy=strategy, **chunks), (
+        params,
+        data,
+    )
+
+
+def _alternatives(row: str, settings: list[str]) -> dict[str, Callable[[], Any] | str]:
+    import jax
+
+    fn, args = _program(row)
+    lowered = jax.jit(fn).lower(*args)
+    out: dict[str, Callable[[], Any] | str] = {}
+    for setting in settings:
+        value = SETTINGS[setting]
+        try:
+            compiled = lowered.compile() if value is None else lowered.compile({OPTION: value})
+        except Exception as err:  # A setting this jaxlib rejects is a result to report.
+            out[setting] = f"{type(err).__name__}: {err}"
+            continue
+        out[setting] = functools.partial(compiled, *args)
     return out
 
 
-def _run_child(setting: str, rows: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "XLA_FLAGS": SETTINGS[setting]}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_flags", "--child", *rows],
-        cwd=harness.PACKAGE_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        return {"error": f"child exited with {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str]) -> int:
-    """Runs the settings' children and prints the table; returns the exit status."""
+    """Times every setting on every row and prints the table; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_flags")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
-    parser.add_argument("--passes", type=int, default=1)
-    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--reps", type=int, default=harness.QUICK.reps)
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args.child)), flush=True)
-        return 0
+    settings = ["flags", *(s for s in args.settings if s != "flags")]
+    policy = harness.TimingPolicy(
+        reps=args.reps,
+        min_reps=min(args.reps, harness.QUICK.min_reps),
+        warmup=1,
+        min_sample_s=harness.QUICK.min_sample_s,
+        budget_s=harness.QUICK.budget_s,
+    )
     meter = LoadMeter()
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in args.settings}
-    for index in range(args.passes):
-        for setting in args.settings:
-            print(f"pass {index + 1}: {setting} ({SETTINGS[setting]!r}) ...", file=sys.stderr)
-            results[setting].append(_run_child(setting, args.rows))
-    load = meter.read()
-    print("| row | alternative | " + " | ".join(f"`{s}`" for s in args.settings) + " |")
-    print("|---|---|" + "---|" * len(args.settings))
+    results: dict[str, dict[str, dict[str, float] | str]] = {}
+    print("| row | " + " | ".join(f"`{s}`" for s in settings) + " |")
+    print("|---|" + "---|" * len(settings))
     for row in args.rows:
-        for name in ROWS[row]:
-            medians = {}
-            for setting in args.settings:
-                values = [
-                    r[row][name]
-                    for r in results[setting]
-                    if isinstance(r.get(row, {}).get(name), float)
-                ]
-                medians[setting] = statistics.median(values) if values else None
-            reference = medians.get("recommended")
-            cells = []
-            for setting in args.settings:
-                value = medians[setting]
-                if value is None:
-                    cells.append("n/a")
-                    continue
-                text = f"{value * 1e3:.1f} ms"
-                if reference and setting != "recommended":
-                    text += f" ({value / reference:.2f}x)"
-                cells.append(text)
-            print(f"| {row} | {name} | " + " | ".join(cells) + " |")
+        comparison = harness.compare(_alternatives(row, settings), baseline="flags", policy=policy)
+        cells, results[row] = [], {}
+        for setting in settings:
+            timing = comparison.timings[setting]
+            if not comparison.ok(setting):
+                cells.append("n/a")
+                results[row][setting] = str(timing.error)
+                continue
+            median = comparison.median(setting)
+            ratio = comparison.ratio(setting, "flags")
+            results[row][setting] = {"median_s": median, **({"ratio": ratio} if ratio else {})}
+            text = f"{median * 1e3:.1f} ms"
+            if ratio is not None and setting != "flags":
+                text += f" ({ratio['median']:.2f}x)"
+            cells.append(text)
+        print(f"| {row} | " + " | ".join(cells) + " |", flush=True)
+    load = meter.read()
     busy, wall = load["other_cpus_busy"], load["wall_s"]
-    print(f"\nOther processes kept {busy:.2f} CPUs busy on average ({wall:.0f} s).")
+    print(f"\nXLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; other processes kept {busy:.2f} CPUs")
+    print(f"busy on average ({wall:.0f} s).")
     print(json.dumps({"settings": SETTINGS, "results": results, "load": load}))
     return 0
 
 
 if __name__ == "__main__":
+    from .environment import configure
+
+    configure()  # Before JAX starts a backend: recommended_xla_flags().
     sys.exit(main(sys.argv[1:]))

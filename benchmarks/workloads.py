@@ -957,7 +957,8 @@ def _round_torch_data(cfg: RoundConfig) -> tuple[Any, ...]:
     return tuple(torch.from_numpy(a).clone() for a in round_data(cfg))
 
 
-def _round_jax_state(cfg: RoundConfig) -> tuple[dict[str, Any], tuple[Any, ...]]:
+def round_jax_state(cfg: RoundConfig) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """The round's initial parameters (`round_torch_model`'s) and data, as JAX arrays."""
     import jax.numpy as jnp
 
     model = round_torch_model(cfg)
@@ -1015,7 +1016,7 @@ def build_round_drjax(cfg: RoundConfig) -> Callable[[], Any]:
     import drjax
     import jax
 
-    params, data = _round_jax_state(cfg)
+    params, data = round_jax_state(cfg)
     update = round_client_update(cfg, unroll=True)
 
     @drjax.program(placements={"clients": cfg.clients})
@@ -1038,7 +1039,7 @@ def build_round_xla_per_client(cfg: RoundConfig) -> Callable[[], Any]:
     import jax
     import jax.numpy as jnp
 
-    params, data = _round_jax_state(cfg)
+    params, data = round_jax_state(cfg)
     clients = [tuple(a[c] for a in data) for c in range(cfg.clients)]  # Sliced once, as views.
     update = round_client_update(cfg, unroll=True)
     # The XLA options bridge_mr compiles the same CPU program with (convolutions: no YNN fusion).

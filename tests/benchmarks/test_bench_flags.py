@@ -1,0 +1,29 @@
+"""`python -m benchmarks.bench_flags` on one small row: each setting compiles, runs, is reported."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_flags_times_each_setting_of_a_row(capsys):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT))
+        bench_flags = importlib.import_module("benchmarks.bench_flags")
+        status = bench_flags.main(
+            ["--rows", "small fedsgd c64 vmap", "--settings", "none", "dot", "--reps", "2"]
+        )
+    assert status == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| small fedsgd c64 vmap |")]
+    assert len(table) == 1, out
+    assert table[0].count(" ms") == 3, out
+    results = json.loads(out.strip().splitlines()[-1])["results"]["small fedsgd c64 vmap"]
+    assert set(results) == {"flags", "none", "dot"}
+    assert all(r["median_s"] > 0 for r in results.values())
+    assert all(r["ratio"]["median"] > 0 for name, r in results.items() if name != "flags")
