@@ -76,13 +76,10 @@ def _program(row: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     params = {name: jnp.asarray(p.detach().numpy()) for name, p in torch_params}
     x, y = workloads.client_data(fed)
     data = (jnp.asarray(x), jnp.asarray(y))
-    if algo == "fedsgd":
-
-        def first_batch_loss(p: Any, client: tuple[Any, Any]) -> Any:
-            return workloads.jax_loss(p, (client[0][0], client[1][0]))
+    if algo == "fedsgd":  # One batch per client: the client's data is its batch.
 
         def mean_loss(p: Any, d: Any) -> Any:
-            return jax_core.map_reduce(first_batch_loss, p, d, strategy=strategy, **chunks)
+            return jax_core.map_reduce(workloads.jax_loss, p, d, strategy=strategy, **chunks)
 
         return jax.grad(mean_loss), (params, data)
     update = functools.partial(workloads.jax_client_update, lr=fed.lr)

@@ -98,17 +98,11 @@ def cpu_compiler_options(jaxpr: core.ClosedJaxpr | core.Jaxpr) -> dict[str, str]
 
 
 def _has_convolution(jaxpr: core.Jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is conv_general_dilated_p:
-            return True
-        for value in eqn.params.values():
-            subs = value if isinstance(value, tuple) else (value,)
-            for sub in subs:
-                if isinstance(sub, core.ClosedJaxpr) and _has_convolution(sub.jaxpr):
-                    return True
-                if isinstance(sub, core.Jaxpr) and _has_convolution(sub):
-                    return True
-    return False
+    return any(
+        eqn.primitive is conv_general_dilated_p
+        or any(map(_has_convolution, core.jaxprs_in_params(eqn.params)))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _closed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:

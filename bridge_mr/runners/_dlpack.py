@@ -76,11 +76,10 @@ class DlpackRunner:
         self._n_exported = n_exported
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         wrap = self._groups or self._replicated is not None
+        # jax.jit takes compiler options at the top level only: this one.
+        options = dict(compiler_options) if compiler_options else None
         run = self._unpacking if wrap else jitted
-        if compiler_options:  # jax.jit takes them at the top level only: this one.
-            self._run = jax.jit(run, compiler_options=dict(compiler_options))
-        else:
-            self._run = jax.jit(run) if wrap else jitted
+        self._run = jax.jit(run, compiler_options=options) if wrap or options else jitted
         self._poll = True
 
     def _unpacking(self, *flat: jax.Array) -> list[jax.Array]:
