@@ -6,10 +6,12 @@ The five MapReduce names (`broadcast`, `map_fn`, `reduce_sum`, `reduce_mean`,
 
 Importing bridge_mr does not import torch: plain-JAX programs (export tools, Beam or
 `jax.distributed` workers) never pay for it. The torch-only names (`map_reduce`,
-`map_reduce_choices`, `torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`) and
-the `dlpack` and `torch_api` subpackages load torch on first access. The five MapReduce names
-run the JAX layer directly until torch is imported, since no torch tensor can exist before; from
-then on they run `bridge_mr.torch_api`, which accepts torch tensors and JAX values alike.
+`map_reduce_choices`, `torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`,
+`from_torch`, `client_keys`) and the `dlpack`, `torch_api` and `torch_fn` subpackages load torch
+on first access (torchax, behind `from_torch`, on a converted function's first call). The five
+MapReduce names run the JAX layer directly until torch is imported, since no torch tensor can
+exist before; from then on they run `bridge_mr.torch_api`, which accepts torch tensors and JAX
+values alike.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from .jax_core import program as program
 if TYPE_CHECKING:
     from . import dlpack as dlpack
     from . import torch_api as torch_api
+    from . import torch_fn as torch_fn
     from .torch_api import RetraceWarning as RetraceWarning
     from .torch_api import TorchFunction as TorchFunction
     from .torch_api import map_reduce as map_reduce
     from .torch_api import map_reduce_choices as map_reduce_choices
     from .torch_api import torch_function as torch_function
     from .torch_api import trace_counts as trace_counts
+    from .torch_fn import client_keys as client_keys
+    from .torch_fn import from_torch as from_torch
 
 PyTree: TypeAlias = Any
 AnyMesh: TypeAlias = Mesh | AbstractMesh
@@ -48,8 +53,10 @@ __all__ = [
     "TorchFunction",
     "broadcast",
     "clear_caches",
+    "client_keys",
     "current_placement",
     "dlpack",
+    "from_torch",
     "jax_core",
     "map_fn",
     "map_reduce",
@@ -74,6 +81,8 @@ _LAZY_TORCH_API_NAMES = frozenset(
         "trace_counts",
     }
 )
+_TORCH_FN = f"{__name__}.torch_fn"
+_LAZY_TORCH_FN_NAMES = frozenset({"client_keys", "from_torch"})
 _torch_api: ModuleType | None = None  # bridge_mr.torch_api once fully imported.
 
 
@@ -88,8 +97,12 @@ def __getattr__(name: str) -> Any:
     """Loads the torch-dependent names on first access (they import torch)."""
     if name == "torch_api":
         return _load_torch_api()
-    if name == "dlpack":
-        return importlib.import_module(f"{__name__}.dlpack")
+    if name in ("dlpack", "torch_fn"):
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_TORCH_FN_NAMES:
+        value = getattr(importlib.import_module(_TORCH_FN), name)
+        globals()[name] = value
+        return value
     if name in _LAZY_TORCH_API_NAMES:
         value = getattr(_load_torch_api(), name)
         globals()[name] = value  # Later lookups find it without calling __getattr__.
@@ -99,7 +112,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     """The public names, the lazy ones included (listing them loads nothing)."""
-    return sorted({*__all__, "torch_api"})
+    return sorted({*__all__, "torch_api", "torch_fn"})
 
 
 def _frontend() -> ModuleType:

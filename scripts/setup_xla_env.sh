@@ -47,4 +47,13 @@ EOF
 if ! satisfied; then
   "$VENV/bin/pip" install -q "${PINNED[@]}" "${UNPINNED[@]}"
 fi
+# bridge_mr.from_torch's engine, pinned as in pyproject's from_torch extra. torch_xla's wheel
+# ships an old torchax (0.0.6) in the same directory, so that copy is removed first: installing
+# over it would leave its stale modules behind.
+TORCHAX=0.0.14.dev20261026
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if ! grep -q "__version__ = \"$TORCHAX\"" "$SITE/torchax/__init__.py" 2>/dev/null; then
+  rm -rf "$SITE/torchax"
+  "$VENV/bin/pip" install -q --no-deps --force-reinstall "torchax==$TORCHAX"
+fi
 "$VENV/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall .

@@ -5,11 +5,12 @@
 | `_flags` | nothing | neither jax nor torch |
 | `_compat` | nothing (each submodule: its own library only) | `_compat.jax`: jax, no torch |
 | `jax_core` | `_compat` | jax (never torch, torch_xla) |
-| top level | `jax_core`, `_flags`; `dlpack`, `torch_api` lazily | jax (no torch) |
+| top level | `jax_core`, `_flags`; `dlpack`, `torch_api`, `torch_fn` lazily | jax (no torch) |
 | `_dtypes` | `_compat` | jax, torch |
 | `dlpack` | `_compat`, `_dtypes` | jax, torch |
 | `runners` | `dlpack`, `jax_core`, `_compat`, `_dtypes` | jax, torch (torch_xla lazily) |
 | `torch_api` | `jax_core`, `dlpack`, `runners`, `_compat`, `_dtypes` | jax, torch |
+| `torch_fn` (`from_torch`) | `_compat` | jax, torch (torchax on first call) |
 | `demo` | any public name | jax, torch |
 | `benchmarks/`, `examples/` | public names only, never the demo | |
 
@@ -61,11 +62,14 @@ LAYERS: dict[str, Layer] = {
     "_flags": Layer(frozenset()),
     "_compat": Layer(frozenset()),
     "jax_core": Layer(frozenset({"_compat"})),
-    "": Layer(frozenset({"jax_core", "_flags"}), lazily=frozenset({"dlpack", "torch_api"})),
+    "": Layer(
+        frozenset({"jax_core", "_flags"}), lazily=frozenset({"dlpack", "torch_api", "torch_fn"})
+    ),
     "_dtypes": Layer(frozenset({"_compat"})),
     "dlpack": Layer(frozenset({"_compat", "_dtypes"})),
     "runners": Layer(frozenset({"dlpack", "jax_core", "_compat", "_dtypes"})),
     "torch_api": Layer(frozenset({"jax_core", "dlpack", "runners", "_compat", "_dtypes"})),
+    "torch_fn": Layer(frozenset({"_compat"})),
     DEMO: Layer(frozenset(), public_only=True),
 }
 
@@ -79,6 +83,7 @@ LOADS: dict[str, frozenset[str]] = {
     "bridge_mr.dlpack": frozenset({"jax", "torch"}),
     "bridge_mr.runners": frozenset({"jax", "torch"}),
     "bridge_mr.torch_api": frozenset({"jax", "torch"}),
+    "bridge_mr.torch_fn": frozenset({"jax", "torch"}),
     "bridge_mr.demo": frozenset({"jax", "torch"}),
 }
 

@@ -22,6 +22,7 @@ __all__ = [
     "functorch_transforms_active",
     "graph_break",
     "graph_break_resumes",
+    "is_op_overload",
     "tensor_from_capsule",
     "versions",
 ]
@@ -45,6 +46,13 @@ flatten_dense_tensors: Callable[[list[torch.Tensor]], torch.Tensor] = (
 #: `torch._C._from_dlpack`: a tensor sharing a DLPack capsule's memory, without the
 #: `__dlpack__` protocol negotiation of `torch.from_dlpack`. torch 2.9 - 2.13.
 tensor_from_capsule: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
+
+
+def is_op_overload(func: Any) -> bool:
+    """Whether `func` is one overload of a dispatcher op (`torch.ops.aten.add.Tensor`), as
+    `__torch_dispatch__` sees it, rather than a Python-level function (`torch.add`).
+    `torch._ops.OpOverload`, torch 2.9 - 2.13."""
+    return isinstance(func, torch._ops.OpOverload)
 
 
 def dispatches_to_python(tensor: torch.Tensor) -> bool:

@@ -1,0 +1,237 @@
+"""The one torchax environment `from_torch` runs torch code in, made strict.
+
+torchax's default environment is lenient where bridge_mr must not be: an op with no JAX lowering
+falls back to eager torch (or fails with torchax's own message, far from the user's code), a
+plain CPU tensor captured by the user's code silently mixes with traced values when it is a
+scalar, random ops draw from a key fixed at environment creation, and batch norm in training
+mode drops its running statistics. This module builds one `Environment` (on first use) whose
+dispatch refuses those cases with errors that name the op and the user's source line, and
+overrides the three ops whose torchax lowering differs from torch's (`aten.detach` keeps
+gradients there; batch norm's running statistics are not written back, and torch updates
+`running_var` with the unbiased variance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch.utils import _pytree as torch_pytree
+
+from bridge_mr._compat import torch as torch_compat
+from bridge_mr._compat import torchax as torchax_compat
+
+__all__ = [
+    "UnsupportedTorchOperation",
+    "environment",
+    "keyed",
+    "user_line",
+]
+
+_aten = torch.ops.aten
+
+
+class UnsupportedTorchOperation(TypeError):
+    """torch code given to `bridge_mr.from_torch` did something its JAX lowering cannot do.
+
+    Raised while tracing: an op with no JAX lowering, a tensor the function did not receive
+    (captured from outside) mixed with its traced values, a random op without a key, or an
+    in-place write to an argument not marked mutable. The message names the op and the user's
+    source line, and says what to do instead.
+    """
+
+
+def user_line() -> str:
+    """The innermost frame of the caller's stack outside torch, torchax, jax and bridge_mr."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_LIBRARY_DIRS):
+            return f"{frame.filename}:{frame.lineno} ({frame.name}: {frame.line})"
+    return "<unknown>"
+
+
+def _library_dirs(tx: torchax_compat.Torchax) -> tuple[str, ...]:
+    roots = [os.path.dirname(m.__file__ or "") for m in (torch, jax)]
+    roots.append(tx.directory)
+    roots.append(os.path.dirname(os.path.dirname(__file__)))  # bridge_mr itself
+    roots.append(os.path.dirname(contextlib.__file__ or ""))  # the standard library
+    return tuple(os.path.join(root, "") for root in roots)
+
+
+_LIBRARY_DIRS: tuple[str, ...] = ()
+
+_KEYED = threading.local()  # .depth: how many `keyed` blocks are open in this thread
+
+
+@contextlib.contextmanager
+def keyed(key: jax.Array) -> Iterator[None]:
+    """Random ops of the torch code run inside draw from `key` (split once per op)."""
+    env = environment()
+    depth = getattr(_KEYED, "depth", 0)
+    _KEYED.depth = depth + 1
+    try:
+        with env.override_property(prng=key):
+            yield
+    finally:
+        _KEYED.depth = depth
+
+
+_CREATE_LOCK = threading.Lock()
+
+
+@functools.cache
+def environment() -> Any:
+    """The strict torchax `Environment` (built once; torchax imported on first call).
+
+    Raises:
+      ImportError: torchax is missing or not the pinned version.
+    """
+    global _LIBRARY_DIRS
+    with _CREATE_LOCK:
+        tx = torchax_compat.import_torchax()
+        _LIBRARY_DIRS = _library_dirs(tx)
+        env = tx.Environment()
+        # A CPU scalar tensor the function captured would become a constant of the trace.
+        env.config.allow_mixed_math_with_scalar_tensor = False
+        env.dispatch = functools.partial(_strict_dispatch, tx, env.dispatch)
+        env.get_and_rotate_prng_key = functools.partial(_next_key, env)
+        env.override_op_definition(_aten.detach.default, _detach)
+        env.override_op_definition(_aten._native_batch_norm_legit.default, _batch_norm_legit)
+        env.override_op_definition(_aten.native_batch_norm.default, _batch_norm_legit)
+        return env
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if torch_compat.is_op_overload(func):
+        return f"torch.ops.{func.namespace}.{name}"
+    module = getattr(func, "__module__", None) or ""
+    return f"{module}.{name}" if module and not name.startswith(module) else name
+
+
+def _strict_dispatch(
+    tx: torchax_compat.Torchax,
+    dispatch: Any,
+    func: Any,
+    types: Any,
+    args: Any,
+    kwargs: Any = None,
+) -> Any:
+    """torchax's dispatch, refusing what it would run in eager torch or get wrong silently."""
+    tensors = [
+        leaf for leaf in torch_pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)
+    ]
+    foreign = [t for t in tensors if not isinstance(t, (tx.Tensor, tx.View))]
+    if foreign and len(foreign) < len(tensors):
+        t = foreign[0]
+        raise UnsupportedTorchOperation(
+            f"{_op_name(func)} at {user_line()} mixes a {t.device.type} torch tensor of shape "
+            f"{tuple(t.shape)} that the function did not receive as an argument with the values "
+            f"it traces. bridge_mr.from_torch runs the function on JAX values: every tensor it "
+            f"computes with must come in through its arguments or be created inside it. Fix: "
+            f"pass the tensor in (for a module's parameters and buffers: "
+            f"torch.func.functional_call(model, params_and_buffers, args)), or create it "
+            f"inside the function."
+        )
+    try:
+        result = dispatch(func, types, args, kwargs)
+    except tx.OperatorNotFound:
+        if not torch_compat.is_op_overload(func):
+            raise  # torchax decomposes a Python-level function into ATen ops next.
+        raise UnsupportedTorchOperation(
+            f"{_op_name(func)} (called at {user_line()}) is unsupported in the JAX lowering of "
+            f"torch (torchax {tx.version} has no lowering for it), so bridge_mr.from_torch "
+            f"cannot trace this function; it never falls back to eager torch. Fix: express it "
+            f"with other torch ops, or compute that part in JAX around the converted function."
+        ) from None
+    if not torch.is_grad_enabled():
+        result = _without_gradient(tx, result)
+    return result
+
+
+def _without_gradient(tx: torchax_compat.Torchax, result: Any) -> Any:
+    """What torch.no_grad means for values computed inside it: no gradient flows through."""
+
+    def stop(tensor: Any) -> Any:
+        torchax_compat.rebind(tensor, jax.lax.stop_gradient(torchax_compat.value_of(tensor)))
+        return tensor
+
+    return torch_pytree.tree_map_only(tx.Tensor, stop, result)
+
+
+def _next_key(env: Any, generator: torch.Generator | None = None) -> jax.Array:
+    """The key a random op draws from: the caller's (`keyed`), split once per op."""
+    if generator is not None:
+        raise UnsupportedTorchOperation(
+            f"a random op at {user_line()} was given generator=; inside bridge_mr.from_torch "
+            f"randomness comes from the JAX key the converted function receives, so a torch "
+            f"Generator (whose seed would be baked into the trace as a constant) is not "
+            f"supported. Fix: drop the generator= argument."
+        )
+    if not getattr(_KEYED, "depth", 0):
+        raise UnsupportedTorchOperation(
+            f"the function draws random numbers (at {user_line()}), but it was converted "
+            f"without a key: torch.manual_seed and torch's generators do not reach inside "
+            f"bridge_mr.from_torch. Fix: convert with bridge_mr.from_torch(fn, rng=True) and "
+            f"pass a JAX key (jax.random.key(seed), or a row of bridge_mr.client_keys(...)) "
+            f"as the converted function's first argument; or put dropout and other random "
+            f"layers in eval mode."
+        )
+    return env.param.get_and_rotate_prng_key()
+
+
+def _detach(tensor: Any) -> Any:
+    """`aten.detach`: torchax's lowering is the identity, which lets gradients through."""
+    tx = torchax_compat.import_torchax()
+    return tx.Tensor(jax.lax.stop_gradient(torchax_compat.value_of(tensor)), environment())
+
+
+def _batch_norm_legit(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[Any, Any, Any]:
+    """Batch norm as torch computes it, running statistics written back in training mode.
+
+    Returns (output, saved mean, saved inverse std), as `aten._native_batch_norm_legit`.
+    """
+    tx = torchax_compat.import_torchax()
+    env = environment()
+    x = torchax_compat.value_of(input)
+    axes = (0, *range(2, x.ndim))
+    channels = (1, -1) + (1,) * (x.ndim - 2)
+    if training:
+        mean = jnp.mean(x, axis=axes)
+        var = jnp.var(x, axis=axes)
+        count = x.size // x.shape[1]
+        for stat, batch_value in (
+            (running_mean, mean),
+            (running_var, var * (count / max(count - 1, 1))),
+        ):
+            if stat is not None:
+                old = torchax_compat.value_of(stat)
+                new = (1 - momentum) * old + momentum * jax.lax.stop_gradient(batch_value)
+                torchax_compat.rebind(stat, new.astype(old.dtype))
+    else:
+        mean = torchax_compat.value_of(running_mean)
+        var = torchax_compat.value_of(running_var)
+    rstd = jax.lax.rsqrt(var + eps)
+    out = (x - mean.reshape(channels)) * rstd.reshape(channels)
+    if weight is not None:
+        out = out * torchax_compat.value_of(weight).reshape(channels)
+    if bias is not None:
+        out = out + torchax_compat.value_of(bias).reshape(channels)
+    saved_mean, saved_rstd = (mean, rstd) if training else (jnp.zeros((0,), x.dtype),) * 2
+    return tx.Tensor(out, env), tx.Tensor(saved_mean, env), tx.Tensor(saved_rstd, env)
