@@ -1,5 +1,7 @@
 """A federated-learning demo: a torch MLP trained on digits through `bridge_mr.map_reduce`.
 
+The model and its client loss are written once, in torch: bridge_mr's clients run that loss as
+JAX operations (`bridge_mr.from_torch`), the pure-torch baseline's run it with `torch.func`.
 Run it with `python -m bridge_mr.demo` (or `main([...])` with the same arguments), or call
 `run_demo(DemoConfig(...))` for its results as data. The demo is a leaf: the library, the
 benchmarks and the examples import nothing from it, so changing it changes no measurement.

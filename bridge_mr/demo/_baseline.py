@@ -1,26 +1,30 @@
-"""The pure-torch baseline: the same client computations with `torch.func.vmap`."""
+"""The pure-torch baseline: the same torch client loss, over all clients by `torch.func.vmap`."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
+from ._model import client_loss
 from ._train import LocalUpdate, Tensors
 
 
 class TorchFuncClients:
-    """Runs every client at once with `torch.func.vmap` over `functional_call` of `model`."""
+    """Runs every client at once with `torch.func.vmap` over `client_loss` of `model`.
+
+    Args:
+      model: the torch network whose `client_loss` the clients compute.
+      local_lr: the clients' SGD learning rate (FedAvg).
+    """
 
     name = "torch.func"
 
     def __init__(self, model: nn.Module, *, local_lr: float) -> None:
-        self._model = model
+        self._loss = functools.partial(client_loss, model)
         self._local_lr = local_lr
-
-    def _loss(self, params: dict[str, torch.Tensor], batch: Tensors) -> torch.Tensor:
-        logits = functional_call(self._model, params, (batch["x"],))
-        return -(batch["y"] * torch.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
 
     def _local_sgd(self, params: Tensors, batches: Tensors) -> LocalUpdate:
         step_grad = grad_and_value(self._loss)

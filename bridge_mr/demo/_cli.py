@@ -30,8 +30,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m bridge_mr.demo",
         description=(
             "Federated training of a torch MLP on scikit-learn's digits, split non-IID across "
-            "clients: FedSGD and FedAvg through bridge_mr.map_reduce (JAX/XLA), and the same "
-            "training in pure torch (torch.func.vmap) for comparison."
+            "clients: FedSGD and FedAvg through bridge_mr.map_reduce, the torch client loss "
+            "run as JAX/XLA operations by bridge_mr.from_torch, and the same training in pure "
+            "torch (torch.func.vmap) for comparison."
         ),
     )
     parser.add_argument(

@@ -1,33 +1,62 @@
-"""What each client computes, as JAX functions of (server parameters, the client's data).
+"""The clients as bridge_mr runs them: the torch loss, converted by `bridge_mr.from_torch`.
 
-These are the `fn` of `bridge_mr.map_reduce(fn, server, clients)`: they see one client's slice
-and know nothing about placement, torch or the number of clients.
+`bridge_mr.map_reduce(fn, server, clients)` takes JAX functions of (server parameters, one
+client's data). FedSGD's is the converted torch loss itself; FedAvg's is a few lines of JAX glue
+(`lax.scan` over `jax.value_and_grad` of it) for the clients' local SGD steps.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import jax
+import torch
+from torch import nn
 
-from ._model import Params, cross_entropy, mlp_logits
+import bridge_mr
 
-Batch = dict[str, jax.Array]
+from ._model import client_loss
+from ._train import LocalUpdate, Tensors
+
+Arrays = dict[str, jax.Array]
+Loss = Callable[[Arrays, Arrays], jax.Array]
 
 
-def client_loss(params: Params, batch: Batch) -> jax.Array:
-    """The client's mean cross-entropy on its batch {"x": [b, 64], "y": one-hot [b, 10]}."""
-    return cross_entropy(mlp_logits(params, batch["x"]), batch["y"])
+class BridgeClients:
+    """The clients' work as one JAX program per round, by `bridge_mr.map_reduce`.
+
+    Args:
+      model: the torch network whose `client_loss` the clients compute.
+      local_lr: the clients' SGD learning rate (FedAvg).
+    """
+
+    name = "bridge_mr"
+
+    def __init__(self, model: nn.Module, *, local_lr: float) -> None:
+        # One function object each, made once: map_reduce traces once per (fn, signature).
+        self._loss = bridge_mr.from_torch(functools.partial(client_loss, model))
+        self._local_sgd = functools.partial(_local_sgd, self._loss, lr=local_lr)
+
+    def mean_loss(self, params: Tensors, batch: Tensors) -> torch.Tensor:
+        """The clients' mean loss; differentiable with respect to `params`."""
+        return bridge_mr.map_reduce(self._loss, params, batch)
+
+    def mean_local_update(self, params: Tensors, batches: Tensors) -> LocalUpdate:
+        """The clients' mean local-SGD delta and their mean local loss."""
+        return bridge_mr.map_reduce(self._local_sgd, params, batches)
 
 
-def local_sgd(params: Params, batches: Batch, *, lr: float) -> dict[str, Params | jax.Array]:
-    """Plain SGD from `params` over the client's batches ([steps, b, ...], one step each).
+def _local_sgd(loss: Loss, params: Arrays, batches: Arrays, *, lr: float) -> dict[str, Any]:
+    """Plain SGD on `loss` from `params` over one client's batches ([steps, b, ...]).
 
     Returns {"delta": trained - initial parameters, "loss": the mean loss over the steps}.
     """
 
-    def step(current: Params, batch: Batch) -> tuple[Params, jax.Array]:
-        loss, grads = jax.value_and_grad(client_loss)(current, batch)
-        return jax.tree.map(lambda p, g: p - lr * g, current, grads), loss
+    def step(current: Arrays, batch: Arrays) -> tuple[Arrays, jax.Array]:
+        value, grads = jax.value_and_grad(loss)(current, batch)
+        return {name: p - lr * grads[name] for name, p in current.items()}, value
 
     trained, losses = jax.lax.scan(step, params, batches)
-    delta = jax.tree.map(lambda new, old: new - old, trained, params)
-    return {"delta": delta, "loss": losses.mean()}
+    return {"delta": {name: trained[name] - params[name] for name in params}, "loss": losses.mean()}

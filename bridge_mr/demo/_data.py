@@ -17,7 +17,7 @@ class FederatedDigits:
     """Client shards stacked on a leading client axis, and a held-out test split.
 
     `client_x` is [clients, per_client, 64] float32 in [0, 1]; `client_y` holds the matching
-    one-hot float32 labels [clients, per_client, 10]; `test_y` holds class indices (int64).
+    class indices [clients, per_client] (int64), as `test_y` does for `test_x`.
     """
 
     client_x: torch.Tensor
@@ -65,10 +65,9 @@ def load_federated_digits(
     by_label = kept[np.argsort(y_train[kept], kind="stable")]
     shards = by_label.reshape(2 * n_clients, shard_size)
     client_index = shards[rng.permutation(2 * n_clients)].reshape(n_clients, 2 * shard_size)
-    one_hot = np.eye(N_CLASSES, dtype=np.float32)[y_train]
     return FederatedDigits(
         client_x=torch.from_numpy(x_train[client_index]),
-        client_y=torch.from_numpy(one_hot[client_index]),
+        client_y=torch.from_numpy(np.asarray(y_train, dtype=np.int64)[client_index]),
         test_x=torch.from_numpy(x_test),
         test_y=torch.from_numpy(np.asarray(y_test, dtype=np.int64)),
     )

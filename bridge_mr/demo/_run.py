@@ -12,10 +12,10 @@ import jax
 import torch
 
 from ._baseline import TorchFuncClients
-from ._data import load_federated_digits
+from ._clients import BridgeClients
+from ._data import N_CLASSES, load_federated_digits
 from ._model import MLP
 from ._train import (
-    BridgeClients,
     Clients,
     FedAvgConfig,
     FedSGDConfig,
@@ -78,7 +78,7 @@ def run_demo(
     fedsgd = FedSGDConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     fedavg = FedAvgConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     n_params = sum(p.numel() for p in initial.parameters())
-    digits = (data.client_y.sum(dim=1) > 0).sum(dim=-1)
+    digits = (torch.nn.functional.one_hot(data.client_y, N_CLASSES).sum(dim=1) > 0).sum(dim=-1)
     fewest, most = int(digits.min()), int(digits.max())
     echo(
         f"data: scikit-learn digits, {data.n_clients} clients x {data.per_client} examples "
@@ -87,9 +87,11 @@ def run_demo(
         f"{len(data.test_y)} held-out test examples"
     )
     echo(
-        f"model: MLP 64-64-10 ({n_params:,} parameters); torch {torch.__version__}, "
-        f"jax {jax.__version__}, {jax.devices()[0].platform} ({platform.machine()}), "
-        f"{torch.get_num_threads()} torch threads"
+        f"model: MLP 64-64-10 ({n_params:,} parameters), written once in torch: bridge_mr "
+        f"runs its client loss as JAX operations (bridge_mr.from_torch), the baseline with "
+        f"torch.func; torch {torch.__version__}, jax {jax.__version__}, "
+        f"{jax.devices()[0].platform} ({platform.machine()}), {torch.get_num_threads()} torch "
+        f"threads"
     )
     echo(
         f"FedSGD: {fedsgd.rounds} rounds; each client's loss on {batch_size} examples, "
@@ -102,7 +104,7 @@ def run_demo(
     )
 
     implementations: list[Callable[[torch.nn.Module], Clients]] = [
-        lambda model: BridgeClients(local_lr=LOCAL_LR)
+        lambda model: BridgeClients(model, local_lr=LOCAL_LR)
     ]
     if config.baseline:
         implementations.append(lambda model: TorchFuncClients(model, local_lr=LOCAL_LR))

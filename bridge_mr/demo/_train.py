@@ -7,7 +7,6 @@ the model and data may live on any device the client implementation supports.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Mapping
 from typing import Protocol, TypedDict
@@ -15,9 +14,6 @@ from typing import Protocol, TypedDict
 import torch
 from torch import nn
 
-import bridge_mr
-
-from ._clients import client_loss, local_sgd
 from ._data import FederatedDigits, client_batches
 from ._model import accuracy
 
@@ -32,7 +28,7 @@ class LocalUpdate(TypedDict):
 
 
 class Clients(Protocol):
-    """How the clients' work is computed: `bridge_mr.map_reduce` or the torch baseline."""
+    """How the clients' work is computed: by bridge_mr (`_clients`) or the torch baseline."""
 
     name: str
 
@@ -43,24 +39,6 @@ class Clients(Protocol):
     def mean_local_update(self, params: Tensors, batches: Tensors) -> LocalUpdate:
         """The clients' mean local-SGD delta and their mean local loss."""
         ...
-
-
-class BridgeClients:
-    """The clients as JAX functions, broadcast, mapped and averaged by `bridge_mr.map_reduce`."""
-
-    name = "bridge_mr"
-
-    def __init__(self, *, local_lr: float) -> None:
-        # One function object per instance: map_reduce compiles once per (fn, signature).
-        self._local_sgd = functools.partial(local_sgd, lr=local_lr)
-
-    def mean_loss(self, params: Tensors, batch: Tensors) -> torch.Tensor:
-        """The clients' mean loss; differentiable with respect to `params`."""
-        return bridge_mr.map_reduce(client_loss, params, batch)
-
-    def mean_local_update(self, params: Tensors, batches: Tensors) -> LocalUpdate:
-        """The clients' mean local-SGD delta and their mean local loss."""
-        return bridge_mr.map_reduce(self._local_sgd, params, batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +151,9 @@ def train_fedavg(
 ) -> PhaseResult:
     """Trains `model` in place with FedAvg/FedOpt: the mean client delta is a pseudo-gradient.
 
-    The clients' local training runs under `torch.no_grad()`: nothing flows back through it.
+    The clients' local training starts from detached parameters: nothing flows back through
+    it. (Not under `torch.no_grad()`: torch code converted by `bridge_mr.from_torch` and traced
+    there loses its JAX gradients, so the clients' local steps would not move.)
     """
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.server_lr, momentum=config.server_momentum
@@ -186,8 +166,8 @@ def train_fedavg(
         local_steps=config.local_steps,
         seed=config.seed,
     ):
-        with torch.no_grad():
-            update = clients.mean_local_update(dict(model.named_parameters()), batches)
+        server = {name: p.detach() for name, p in model.named_parameters()}
+        update = clients.mean_local_update(server, batches)
         for name, p in model.named_parameters():
             p.grad = -update["delta"][name]
         optimizer.step()

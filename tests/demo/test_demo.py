@@ -30,6 +30,7 @@ def test_quick_demo_trains_both_algorithms_like_the_baseline(
     assert (clients, per_client) == (16, 88)
     assert 1 <= fewest <= most <= 4
     assert "360 held-out test examples" in out
+    assert "written once in torch" in out
     for algorithm in ALGORITHMS:
         for name in ("bridge_mr", "torch.func"):
             run = result.phase(algorithm, name)
@@ -37,7 +38,8 @@ def test_quick_demo_trains_both_algorithms_like_the_baseline(
             assert run.accuracy >= 0.75, (algorithm, name, run.accuracy)
             assert run.losses[-1] < 0.5 * run.losses[0]
             assert f"{algorithm:<9}  {name:<14}" in out
-    # Same init, same data, same algorithm: FedSGD's trajectories agree to float32 rounding.
+    # Same torch loss, init, data and algorithm (bridge_mr runs the loss through from_torch):
+    # FedSGD's trajectories agree to float32 rounding.
     # FedAvg's ten local steps a round amplify rounding differences, slowly.
     fedsgd, fedavg = ([result.phase(a, n) for n in ("bridge_mr", "torch.func")] for a in ALGORITHMS)
     np.testing.assert_allclose(fedsgd[0].losses, fedsgd[1].losses, rtol=1e-4, atol=1e-6)
