@@ -3,7 +3,7 @@
 # package (not editable, so the installed package is what gets tested) and runs pytest.
 #   .venv      torch==2.13.0 + jax: lint, core, dlpack, torch_api tests, types
 #   .venv-xla  torch==2.9.0 + torch_xla==2.9.0 + jax + flax: tests marked `xla`, and the compat
-#              layer's fast-path tests on torch 2.9
+#              layer's fast-path tests and from_torch's tests on torch 2.9
 # Each environment runs twice: with JAX's 64-bit mode off (the default, as users run JAX), then
 # with BRIDGE_MR_X64=1 the tests marked `x64` only (see tests/conftest.py).
 # Set BRIDGE_MR_SKIP_XLA=1 to run only the main environment.
@@ -40,4 +40,7 @@ if [ "${BRIDGE_MR_SKIP_XLA:-0}" != 1 ]; then
   if [ -d tests/compat ]; then
     leg .venv-xla/bin/pytest -m "not xla and not x64" tests/compat
   fi
+  # from_torch on torch 2.9 (torchax's lowering differs between torch releases); its own
+  # process, apart from the XLA-device tests.
+  leg .venv-xla/bin/pytest -m "not xla and not x64" tests/torch_fn
 fi

@@ -24,8 +24,16 @@ def _float32_default_promotion():
         yield
 
 
+def test_from_torch_quickstart_runs_and_trains():
+    namespace: dict = {}
+    exec(compile(_python_blocks()[0], "README from_torch quickstart", "exec"), namespace)
+    assert torch.isfinite(namespace["loss"]).item()
+    assert all(p.grad is not None for p in namespace["model"].parameters())
+    assert namespace["model"][1].running_mean.abs().sum() > 0  # the running statistics moved
+
+
 def test_torch_quickstart_and_fedavg_blocks_run():
-    quickstart, fedavg = _python_blocks()[:2]
+    quickstart, fedavg = _python_blocks()[1:3]
     namespace: dict = {}
     exec(compile(quickstart, "README quickstart", "exec"), namespace)
     assert torch.isfinite(namespace["loss"]).item()

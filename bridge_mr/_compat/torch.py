@@ -22,6 +22,7 @@ __all__ = [
     "functorch_transforms_active",
     "graph_break",
     "graph_break_resumes",
+    "is_functional_tensor",
     "is_op_overload",
     "tensor_from_capsule",
     "versions",
@@ -46,6 +47,11 @@ flatten_dense_tensors: Callable[[list[torch.Tensor]], torch.Tensor] = (
 #: `torch._C._from_dlpack`: a tensor sharing a DLPack capsule's memory, without the
 #: `__dlpack__` protocol negotiation of `torch.from_dlpack`. torch 2.9 - 2.13.
 tensor_from_capsule: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
+
+
+#: `torch._is_functional_tensor`: whether a tensor is a functionalization wrapper (inside
+#: `torch.func.functionalize`). torch 2.9 - 2.13.
+is_functional_tensor: Callable[[torch.Tensor], bool] = torch._is_functional_tensor  # pyright: ignore[reportPrivateImportUsage]
 
 
 def is_op_overload(func: Any) -> bool:

@@ -76,10 +76,15 @@ class FromTorch:
         with (
             keyed(key) if key is not None else contextlib.nullcontext(),
             env,
+            # The torch code starts in grad mode whatever the caller's (map_reduce is often
+            # called under torch.no_grad): only its own no_grad blocks stop gradients.
+            torch.enable_grad(),
             torch.device("jax"),
             jax.numpy_dtype_promotion("standard"),
         ):
-            out = self.torch_fn(*t_args, **t_kwargs)
+            # Functionalized: torchax copies the results of view ops, so an in-place write
+            # through a view (`h.view(-1).mul_(2)`) would otherwise be lost.
+            out = torch.func.functionalize(self.torch_fn, remove="mutations")(*t_args, **t_kwargs)
             out = jax.tree_util.tree_map(lambda x: _to_jax(x, self, tx, env), out)
         after = list(originals)
         for n, ((path, _), original, tensor) in enumerate(

@@ -39,13 +39,14 @@ __all__ = [
 _aten = torch.ops.aten
 
 
-class UnsupportedTorchOperation(TypeError):
+class UnsupportedTorchOperation(NotImplementedError):
     """torch code given to `bridge_mr.from_torch` did something its JAX lowering cannot do.
 
     Raised while tracing: an op with no JAX lowering, a tensor the function did not receive
     (captured from outside) mixed with its traced values, a random op without a key, or an
     in-place write to an argument not marked mutable. The message names the op and the user's
-    source line, and says what to do instead.
+    source line, and says what to do instead. Not a TypeError: torch turns a TypeError raised
+    inside a tensor operator (`x * y`) into NotImplemented, which would hide the message.
     """
 
 
@@ -103,8 +104,12 @@ def environment() -> Any:
         env.dispatch = functools.partial(_strict_dispatch, tx, env.dispatch)
         env.get_and_rotate_prng_key = functools.partial(_next_key, env)
         env.override_op_definition(_aten.detach.default, _detach)
+        env.override_op_definition(_aten.bernoulli.p, _bernoulli)
         env.override_op_definition(_aten._native_batch_norm_legit.default, _batch_norm_legit)
         env.override_op_definition(_aten.native_batch_norm.default, _batch_norm_legit)
+        env.override_op_definition(
+            _aten._native_batch_norm_legit_functional.default, _batch_norm_functional
+        )
         return env
 
 
@@ -125,10 +130,16 @@ def _strict_dispatch(
     kwargs: Any = None,
 ) -> Any:
     """torchax's dispatch, refusing what it would run in eager torch or get wrong silently."""
+    aten = torch_compat.is_op_overload(func)
     tensors = [
         leaf for leaf in torch_pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)
     ]
-    foreign = [t for t in tensors if not isinstance(t, (tx.Tensor, tx.View))]
+    # Above the ATen ops, functionalization's wrappers hold the traced values.
+    foreign = [
+        t
+        for t in tensors
+        if not isinstance(t, (tx.Tensor, tx.View)) and not torch_compat.is_functional_tensor(t)
+    ]
     if foreign and len(foreign) < len(tensors):
         t = foreign[0]
         raise UnsupportedTorchOperation(
@@ -143,7 +154,7 @@ def _strict_dispatch(
     try:
         result = dispatch(func, types, args, kwargs)
     except tx.OperatorNotFound:
-        if not torch_compat.is_op_overload(func):
+        if not aten:
             raise  # torchax decomposes a Python-level function into ATen ops next.
         raise UnsupportedTorchOperation(
             f"{_op_name(func)} (called at {user_line()}) is unsupported in the JAX lowering of "
@@ -185,6 +196,15 @@ def _next_key(env: Any, generator: torch.Generator | None = None) -> jax.Array:
             f"layers in eval mode."
         )
     return env.param.get_and_rotate_prng_key()
+
+
+def _bernoulli(tensor: Any, p: float = 0.5, *, generator: Any = None) -> Any:
+    """`aten.bernoulli.p` in the input's dtype, as torch gives it (torchax's is boolean)."""
+    tx = torchax_compat.import_torchax()
+    env = environment()
+    x = torchax_compat.value_of(tensor)
+    draws = jax.random.uniform(env.get_and_rotate_prng_key(generator), x.shape) < p
+    return tx.Tensor(draws.astype(x.dtype), env)
 
 
 def _detach(tensor: Any) -> Any:
@@ -235,3 +255,24 @@ def _batch_norm_legit(
         out = out + torchax_compat.value_of(bias).reshape(channels)
     saved_mean, saved_rstd = (mean, rstd) if training else (jnp.zeros((0,), x.dtype),) * 2
     return tx.Tensor(out, env), tx.Tensor(saved_mean, env), tx.Tensor(saved_rstd, env)
+
+
+def _batch_norm_functional(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """`aten._native_batch_norm_legit_functional`, what functionalization makes of batch norm.
+
+    Returns (output, saved mean, saved inverse std, new running mean, new running var).
+    """
+    tx = torchax_compat.import_torchax()
+    env = environment()
+    mean, var = (tx.Tensor(torchax_compat.value_of(s), env) for s in (running_mean, running_var))
+    out = _batch_norm_legit(input, weight, bias, mean, var, training, momentum, eps)
+    return (*out, mean, var)
