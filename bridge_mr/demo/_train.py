@@ -151,9 +151,7 @@ def train_fedavg(
 ) -> PhaseResult:
     """Trains `model` in place with FedAvg/FedOpt: the mean client delta is a pseudo-gradient.
 
-    The clients' local training starts from detached parameters: nothing flows back through
-    it. (Not under `torch.no_grad()`: torch code converted by `bridge_mr.from_torch` and traced
-    there loses its JAX gradients, so the clients' local steps would not move.)
+    The clients' local training runs under `torch.no_grad()`: nothing flows back through it.
     """
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.server_lr, momentum=config.server_momentum
@@ -166,8 +164,8 @@ def train_fedavg(
         local_steps=config.local_steps,
         seed=config.seed,
     ):
-        server = {name: p.detach() for name, p in model.named_parameters()}
-        update = clients.mean_local_update(server, batches)
+        with torch.no_grad():
+            update = clients.mean_local_update(dict(model.named_parameters()), batches)
         for name, p in model.named_parameters():
             p.grad = -update["delta"][name]
         optimizer.step()
