@@ -6,9 +6,10 @@ plain CPU tensor captured by the user's code silently mixes with traced values w
 scalar, random ops draw from a key fixed at environment creation, and batch norm in training
 mode drops its running statistics. This module builds one `Environment` (on first use) whose
 dispatch refuses those cases with errors that name the op and the user's source line, and
-overrides the three ops whose torchax lowering differs from torch's (`aten.detach` keeps
+overrides the ops whose torchax lowering differs from torch's (`aten.detach` keeps
 gradients there; batch norm's running statistics are not written back, and torch updates
-`running_var` with the unbiased variance).
+`running_var` with the unbiased variance; `bernoulli.p` is boolean there; `gather` fails on
+values sharded over an Explicit mesh).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def environment() -> Any:
         env.get_and_rotate_prng_key = functools.partial(_next_key, env)
         env.override_op_definition(_aten.detach.default, _detach)
         env.override_op_definition(_aten.bernoulli.p, _bernoulli)
+        env.override_op_definition(_aten.gather.default, _gather)
         env.override_op_definition(_aten._native_batch_norm_legit.default, _batch_norm_legit)
         env.override_op_definition(_aten.native_batch_norm.default, _batch_norm_legit)
         env.override_op_definition(
@@ -205,6 +207,20 @@ def _bernoulli(tensor: Any, p: float = 0.5, *, generator: Any = None) -> Any:
     x = torchax_compat.value_of(tensor)
     draws = jax.random.uniform(env.get_and_rotate_prng_key(generator), x.shape) < p
     return tx.Tensor(draws.astype(x.dtype), env)
+
+
+def _gather(tensor: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
+    """`aten.gather` as `take_along_axis`: torchax's fancy indexing fails on values sharded over
+    an Explicit mesh axis (cross-entropy's gather, under `map_reduce(..., mesh=...)`)."""
+    del sparse_grad  # A hint about torch's backward; JAX's gradient is dense either way.
+    tx = torchax_compat.import_torchax()
+    x, i = torchax_compat.value_of(tensor), torchax_compat.value_of(index)
+    if x.ndim == 0:
+        return tx.Tensor(jnp.broadcast_to(x, i.shape), environment())
+    dim = dim % x.ndim
+    # torch reads only the leading index.shape[d] entries of the other dimensions.
+    x = x[tuple(slice(None) if d == dim else slice(0, n) for d, n in enumerate(i.shape))]
+    return tx.Tensor(jnp.take_along_axis(x, i, axis=dim), environment())
 
 
 def _detach(tensor: Any) -> Any:

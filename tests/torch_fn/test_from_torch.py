@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from jax.sharding import AxisType
 from torch import nn
 
 import bridge_mr
@@ -570,3 +571,46 @@ def test_coverage_table_is_the_zoo() -> None:
     doc = Path(__file__).resolve().parents[2] / "docs" / "from_torch.md"
     rows = re.findall(r"^\| `(\w+)` \|", doc.read_text(), re.M)
     assert sorted(rows) == sorted(ZOO), "docs/from_torch.md's table and the zoo differ"
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_over_clients_equals_unsharded(axis_type: str) -> None:
+    model = _make("cnn_batchnorm")
+    data = _data("cnn_batchnorm", 8, 4)
+    loss = _client_loss(model)
+    fn = bridge_mr.from_torch(lambda s, b: loss(s, b["x"], b["y"]), mutable=0)
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(getattr(AxisType, axis_type),))
+
+    def run(**kwargs: Any) -> Any:
+        state = {
+            k: v.detach().requires_grad_(v.is_floating_point()) for k, v in _state(model).items()
+        }
+        value, new = bridge_mr.map_reduce(fn, state, data, **kwargs)
+        grads = torch.autograd.grad(value, [state[k] for k, _ in model.named_parameters()])
+        return value.detach(), grads, {k: v.detach() for k, v in new.items()}
+
+    sharded, plain = run(mesh=mesh), run()
+    torch.testing.assert_close(sharded, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_function_of_a_converted_function_is_differentiable_in_torch() -> None:
+    def fn(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).sum()
+
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(5, 4)
+    f = bridge_mr.torch_function(bridge_mr.from_torch(fn))
+    f(w, x).backward()
+    expected = w.detach().clone().requires_grad_()
+    fn(expected, x).backward()
+    torch.testing.assert_close(w.grad, expected.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_gather_reads_like_torch_with_a_smaller_index(dim: int) -> None:
+    x = torch.randn(3, 5)
+    index = torch.tensor([[0, 2], [1, 1]]) % x.shape[dim]
+    got = bridge_mr.from_torch(lambda x, i: torch.gather(x, dim, i))(
+        jnp.asarray(x.numpy()), jnp.asarray(index.numpy().astype(np.int32))
+    )
+    _close(got, torch.gather(x, dim, index), "gather")
