@@ -14,9 +14,13 @@ Decisions, per dtype (checked on torch 2.9.0 / 2.13.0 with jax 0.10.2):
   depends on the torch version, the DLPack path refuses them on every version.
 * Everything else (complex32, the other float8 / float4 formats, quantized and bit dtypes) is
   refused: JAX or DLPack lack them.
-* 64-bit dtypes need JAX's x64 mode. With it off they are an error (`x64_error`), never a
+* 64-bit dtypes need JAX's x64 mode. With it off (`narrowed`, the one x64 policy):
+  int64 and uint64 tensors cross as int32 / uint32 when their values fit, checked by one
+  min / max reduction (`extremes`, `check_narrowable`) and a ValueError naming the value when
+  they do not; JAX then computes in the 32-bit dtype, as with a numpy int64 array (which it
+  narrows unchecked). The 64-bit floats and complex128 are an error (`x64_error`), never a
   silent downcast; only `bridge_mr.dlpack`'s `allow_x64_downcast=True` converts them to their
-  32-bit dtype (`narrow`), with one counted copy.
+  32-bit dtype (`narrow`). Either conversion is one counted copy.
 * Only real floating dtypes carry gradients (`is_differentiable`).
 
 This module imports torch, numpy, ml_dtypes and jax; only torch-side layers import it.
@@ -36,10 +40,14 @@ from bridge_mr._compat import jax as _jax_compat
 
 __all__ = [
     "DTYPES",
+    "NARROW_TARGETS",
     "Aval",
     "DtypeInfo",
+    "check_narrowable",
+    "extremes",
     "is_differentiable",
     "jax_dtype",
+    "narrowed",
     "torch_dtype",
     "unsupported_error",
     "x64_error",
@@ -74,6 +82,15 @@ class DtypeInfo:
     def needs_x64(self) -> bool:
         """Whether JAX represents this dtype only with its 64-bit mode on."""
         return self.narrow is not None
+
+    @property
+    def narrows_when_x64_off(self) -> bool:
+        """Whether it crosses as `narrow` while x64 is off, its values checked (int64, uint64).
+
+        The other 64-bit dtypes (float64, complex128) are refused then instead: narrowing an
+        integer is exact or an error, narrowing a float would lose precision silently.
+        """
+        return self.narrow is not None and not (self.torch.is_floating_point or self.is_complex)
 
     @property
     def is_complex(self) -> bool:
@@ -124,6 +141,33 @@ _BY_JAX: dict[np.dtype, torch.dtype] = {info.jax: dtype for dtype, info in DTYPE
 _DLPACK = tuple(str(dtype) for dtype, info in DTYPES.items() if info.dlpack)
 _XLA = tuple(str(dtype) for dtype, info in DTYPES.items() if info.xla and not info.dlpack)
 
+#: The JAX dtypes 64-bit integer tensors cross as while x64 is off (int32, uint32): a program
+#: input of one of these dtypes may be given a tensor that `narrowed` narrows.
+NARROW_TARGETS: frozenset[np.dtype] = frozenset(
+    DTYPES[info.narrow].jax
+    for info in DTYPES.values()
+    if info.narrow is not None and info.narrows_when_x64_off
+)
+
+
+def narrowed(dtype: torch.dtype) -> torch.dtype | None:
+    """The 32-bit dtype a tensor of `dtype` crosses to JAX as now, or None for its own dtype.
+
+    The x64 policy: while JAX's x64 mode is off, int64 and uint64 tensors cross as int32 and
+    uint32 (`narrows_when_x64_off`), after `check_narrowable` on their `extremes`. The 64-bit
+    floats and complex128 do not narrow (None): with x64 off they are refused (`jax_dtype`).
+
+    Args:
+      dtype: the tensor's torch dtype.
+
+    Returns:
+      The narrower torch dtype, or None where the tensor crosses as it is (or not at all).
+    """
+    info = DTYPES.get(dtype)
+    if info is None or not info.narrows_when_x64_off or _jax_compat.x64_enabled():
+        return None
+    return info.narrow
+
 
 def jax_dtype(dtype: torch.dtype, *, where: str, xla: bool = False) -> np.dtype:
     """The JAX dtype of a torch dtype, for a value about to cross to JAX.
@@ -135,16 +179,20 @@ def jax_dtype(dtype: torch.dtype, *, where: str, xla: bool = False) -> np.dtype:
         DLPack.
 
     Returns:
-      The numpy / ml_dtypes dtype JAX uses for it.
+      The numpy / ml_dtypes dtype JAX uses for it: for int64 / uint64 while JAX's x64 mode is
+      off, int32 / uint32 (`narrowed`; the values are checked when the tensor crosses).
 
     Raises:
-      TypeError: the dtype cannot cross this way, or it is a 64-bit dtype while JAX's x64 mode
-        is off (`x64_error`).
+      TypeError: the dtype cannot cross this way, or it is a 64-bit float or complex dtype
+        while JAX's x64 mode is off (`x64_error`).
     """
     info = DTYPES.get(dtype)
     if info is None or not (info.xla if xla else info.dlpack):
         raise unsupported_error(where, dtype, xla=xla)
-    if info.narrow is not None and not _jax_compat.x64_enabled():
+    narrow = narrowed(dtype)
+    if narrow is not None:
+        return DTYPES[narrow].jax
+    if info.needs_x64 and not _jax_compat.x64_enabled():
         raise x64_error(where, dtype)
     return info.jax
 
@@ -197,11 +245,13 @@ def is_differentiable(dtype: np.dtype | type) -> bool:
 
 
 def x64_error(where: str, dtype: torch.dtype, *, downcast_option: str | None = None) -> TypeError:
-    """The error for a 64-bit value while JAX's x64 mode is off: bridge_mr never downcasts.
+    """The error for a float64 / complex128 value while x64 is off: bridge_mr never downcasts.
+
+    (int64 and uint64 values narrow instead, checked: `narrowed`.)
 
     Args:
       where: names the value (e.g. "tensors[0]").
-      dtype: its torch dtype (one with a `narrow` counterpart).
+      dtype: its torch dtype (float64 or complex128).
       downcast_option: the name of a keyword argument of the caller that opts into converting
         to the 32-bit dtype instead (`allow_x64_downcast`), to mention as a fix; None if none.
 
@@ -220,4 +270,62 @@ def x64_error(where: str, dtype: torch.dtype, *, downcast_option: str | None = N
         f"is off (JAX would compute in {narrow}, and bridge_mr never downcasts silently). Fix: "
         f'enable x64 with jax.config.update("jax_enable_x64", True) before any JAX work'
         f"{option}, or cast the tensor yourself with .to({narrow})."
+    )
+
+
+def extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """The minimum and maximum of an int64 or uint64 tensor, for `check_narrowable`.
+
+    One reduction on the tensor's device; nothing is read back (reading is the caller's sync).
+
+    Args:
+      tensor: an int64 or uint64 tensor, of any layout or device.
+
+    Returns:
+      An int64 tensor [min, max] on the tensor's device; [0, 0] for an empty tensor. A uint64
+      tensor is reduced through its int64 view (torch has no uint64 min / max), so values from
+      2**63 up read as negative; `check_narrowable` reads them back as they are.
+    """
+    if tensor.numel() == 0:  # aminmax refuses empty tensors: they hold no value out of range.
+        return torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    if tensor.dtype == torch.uint64:
+        tensor = tensor.view(torch.int64)
+    if tensor.device.type == "xla":
+        # torch-xla 2.9 runs aminmax on the host (a device read per tensor); XLA fuses these.
+        return torch.stack((tensor.min(), tensor.max()))
+    low, high = torch.aminmax(tensor)
+    return torch.stack((low, high))
+
+
+def check_narrowable(where: str, dtype: torch.dtype, low: int, high: int) -> None:
+    """Raises unless values from `low` to `high` fit the dtype a `dtype` tensor narrows to.
+
+    Args:
+      where: names the value (e.g. "tree['labels']" or "map_reduce: argument clients['y']").
+      dtype: its torch dtype (one that `narrowed` narrows).
+      low: its minimum, as `extremes` gives it.
+      high: its maximum, as `extremes` gives it.
+
+    Raises:
+      ValueError: a value lies outside the narrower dtype's range; the message names the
+        value, the value(s) out of range, the range and the fixes.
+    """
+    info = DTYPES[dtype]
+    assert info.narrow is not None  # Only narrowing dtypes are checked.
+    bounds = torch.iinfo(info.narrow)
+    if bounds.min <= low and high <= bounds.max:
+        return
+    unsigned = dtype == torch.uint64
+    offending = [
+        # A uint64 value from 2**63 up reads as negative in `extremes`' int64 view.
+        value + 2**64 if unsigned and value < 0 else value
+        for value in dict.fromkeys((low, high))
+        if not bounds.min <= value <= bounds.max
+    ]
+    raise ValueError(
+        f"{where}: a {dtype} tensor crosses to JAX as {DTYPES[info.narrow].jax} while JAX's "
+        f"64-bit mode is off, so its values must lie in [{bounds.min}, {bounds.max}]; it holds "
+        f"{' and '.join(map(str, offending))}. Fix: enable x64 with "
+        f'jax.config.update("jax_enable_x64", True) before any JAX work, or bring the values '
+        f"into that range (e.g. renumber the ids) before the call."
     )

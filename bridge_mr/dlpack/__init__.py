@@ -6,7 +6,10 @@ arguments of a jitted call; `count_conversions` reports conversions and copies.
 
 Zero copy whenever the layout allows it: a compact (contiguous or permuted-dense), 64-byte
 aligned tensor of a dtype both sides share, on the same device. Otherwise exactly one copy,
-counted. 64-bit tensors are never downcast silently when JAX's x64 mode is off.
+counted. While JAX's x64 mode is off, int64 / uint64 tensors cross as int32 / uint32 (one
+counted copy, after one min / max reduction checks that the values fit: a ValueError names the
+tensor and the value otherwise); float64 / complex128 tensors are never downcast silently (an
+error, unless `allow_x64_downcast=True`).
 
 Aliasing contract:
 

@@ -8,6 +8,11 @@ once into a fresh contiguous buffer first, and the copy is counted (`count_conve
 CUDA tensor is shared with the JAX GPU of the same index, with JAX's reads ordered after the
 work queued on torch's current stream.
 
+64-bit tensors while JAX's x64 mode is off (`bridge_mr._dtypes.narrowed`): an int64 or uint64
+tensor is copied once, counted, into an int32 / uint32 buffer after one min / max reduction
+checks that its values fit (a ValueError names the tensor and the value otherwise); a float64 or
+complex128 tensor is an error unless the caller passes `allow_x64_downcast=True`.
+
 Aliasing: a shared-memory JAX array is a view of the torch tensor. It is valid only while
 nobody writes to the tensor, and because JAX dispatches asynchronously, a caller that runs JAX
 computations on it must block on their results before returning control to code that may write
@@ -57,8 +62,17 @@ def import_tensors(
     The flat-list entry point of `to_jax` for callers that have already flattened their
     arguments; the rules are those of `to_jax`.
 
+    Args:
+      tensors: the tensors.
+      allow_x64_downcast: as for `to_jax`.
+
+    Returns:
+      One JAX array per tensor.
+
     Raises:
       TypeError: an element is not a supported tensor (the message names `tensors[i]`).
+      ValueError: an int64 / uint64 tensor holds a value outside int32 / uint32 while JAX's
+        x64 mode is off.
     """
     return _import_all(tensors, allow_x64_downcast, _positional_name)
 
@@ -74,14 +88,25 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
     (`count_conversions`). See the module docstring for how long a shared-memory array stays
     valid.
 
+    While JAX's 64-bit mode is off, an int64 / uint64 tensor becomes an int32 / uint32 array:
+    one min / max reduction checks that its values fit, then one counted copy narrows it (a
+    CUDA tensor's check waits for its values). Cast such tensors to int32 yourself, or enable
+    x64, to share them without the copy.
+
     Args:
       tree: a pytree (dicts, lists, tuples, namedtuples, None) of torch tensors and other leaves.
-      allow_x64_downcast: with JAX's 64-bit mode off, convert 64-bit tensors to the 32-bit
-        dtype (one counted copy) instead of raising.
+      allow_x64_downcast: with JAX's 64-bit mode off, convert float64 / complex128 tensors to
+        float32 / complex64 (one counted copy) instead of raising.
+
+    Returns:
+      `tree` with each torch tensor replaced by its JAX array.
 
     Raises:
       TypeError: a tensor cannot be converted (sparse, quantized, nested, meta, torch-xla,
-        unsupported dtype, or a 64-bit dtype with x64 off); the message names the leaf's path.
+        unsupported dtype, or float64 / complex128 with x64 off and no `allow_x64_downcast`);
+        the message names the leaf's path.
+      ValueError: with x64 off, an int64 / uint64 tensor holds a value outside int32 / uint32;
+        the message names the leaf's path, the value and the fixes.
       RuntimeError: a CUDA tensor was given but JAX has no GPU backend.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -96,7 +121,9 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def jit_arguments(tensors: Sequence[torch.Tensor]) -> Sequence[jax.Array | np.ndarray]:
+def jit_arguments(
+    tensors: Sequence[torch.Tensor], *, names: Sequence[str] | None = None
+) -> Sequence[jax.Array | np.ndarray]:
     """Arguments for a jitted JAX call, sharing the tensors' memory: `import_tensors`, faster.
 
     While JAX's default device is a CPU device, a contiguous, 64-byte aligned CPU tensor of a
@@ -107,11 +134,22 @@ def jit_arguments(tensors: Sequence[torch.Tensor]) -> Sequence[jax.Array | np.nd
     same aliasing contract holds: block on the call's results before anyone may write to the
     tensors.
 
+    Args:
+      tensors: the tensors.
+      names: what error messages call each tensor (e.g. "map_reduce: argument clients['y']");
+        default `tensors[i]`.
+
+    Returns:
+      One numpy view or JAX array per tensor.
+
     Raises:
-      TypeError: an element is not a supported tensor (the message names `tensors[i]`).
+      TypeError: an element is not a supported tensor (the message names it).
+      ValueError: an int64 / uint64 tensor holds a value outside int32 / uint32 while JAX's
+        x64 mode is off (the message names it).
     """
+    name_of = _positional_name if names is None else names.__getitem__
     if not _numpy_goes_to_cpu() or _host_transfers_guarded():
-        return import_tensors(tensors)
+        return _import_all(tensors, False, name_of)
     out: list[Any] = []
     imported: list[int] = []
     for index, tensor in enumerate(tensors):
@@ -124,9 +162,7 @@ def jit_arguments(tensors: Sequence[torch.Tensor]) -> Sequence[jax.Array | np.nd
         out.append(None)
         imported.append(index)
     if imported:
-        arrays = _import_all(
-            [tensors[i] for i in imported], False, lambda k: _positional_name(imported[k])
-        )
+        arrays = _import_all([tensors[i] for i in imported], False, lambda k: name_of(imported[k]))
         for index, array in zip(imported, arrays, strict=True):
             out[index] = array
     if ACTIVE and len(imported) < len(out):
@@ -241,10 +277,15 @@ def _import_one(
     dtype = tensor.dtype
     target = dtype
     if _FLAGS[dtype] & _WIDE and not _runtime.x64_enabled():
-        if not allow_x64_downcast:
+        narrow = _dtypes.narrowed(dtype)
+        if narrow is not None:
+            low, high = _dtypes.extremes(tensor).tolist()
+            _dtypes.check_narrowable(name_of(index), dtype, low, high)
+        elif allow_x64_downcast:
+            narrow = _dtypes.DTYPES[dtype].narrow
+            assert narrow is not None  # every 64-bit dtype has a 32-bit counterpart
+        else:
             raise _dtypes.x64_error(name_of(index), dtype, downcast_option="allow_x64_downcast")
-        narrow = _dtypes.DTYPES[dtype].narrow
-        assert narrow is not None  # every 64-bit dtype has a 32-bit counterpart
         target = narrow
     copied = (
         target != dtype

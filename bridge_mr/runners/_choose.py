@@ -22,6 +22,7 @@ def runner_for(
     mesh: Mesh | None,
     carried_avals: Sequence[Aval] = (),
     compiler_options: Mapping[str, str] | None = None,
+    names: Sequence[str] | None = None,
 ) -> Runner:
     """The runner of `program` for tensors of `device_type` ("cpu", "cuda" or "xla").
 
@@ -36,6 +37,9 @@ def runner_for(
       carried_avals: shapes and dtypes of the carried inputs that follow the tensors.
       compiler_options: XLA options to compile `jitted` with (CPU and CUDA; `jitted` itself
         jitted without any: jax.jit takes them at the top level only).
+      names: what error messages call each tensor input, e.g. for an int64 tensor given for
+        an int32 input (x64 off) that holds a value out of int32's range; default
+        `tensors[i]`.
 
     Returns:
       A callable `(tensors, carried) -> (exported tensors, carried values)`.
@@ -46,8 +50,8 @@ def runner_for(
       >>> (y,), carried = run([torch.zeros(3)], [])
     """
     if device_type == "xla":
-        return _xla.XlaRunner(jitted, [*in_avals, *carried_avals], n_exported)
-    return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh, compiler_options)
+        return _xla.XlaRunner(jitted, [*in_avals, *carried_avals], n_exported, names)
+    return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh, compiler_options, names)
 
 
 def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:

@@ -14,7 +14,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bridge_mr._compat import torch as torch_compat
-from bridge_mr._dtypes import Aval
+from bridge_mr._dtypes import NARROW_TARGETS, Aval
 from bridge_mr.dlpack import export_arrays, jit_arguments
 
 from ._protocols import Jitted
@@ -38,10 +38,14 @@ def trace_context() -> contextlib.AbstractContextManager[Any]:
 
 
 def _pack_groups(avals: Sequence[Aval]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """Groups of indices of small same-dtype values that share a buffer, and the rest."""
+    """Groups of indices of small same-dtype values that share a buffer, and the rest.
+
+    int32 / uint32 inputs are never packed: while x64 is off an int64 / uint64 tensor may stand
+    for one, which `jit_arguments` narrows after checking its values, naming it in the error.
+    """
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, (shape, dtype) in enumerate(avals):
-        if math.prod(shape) * dtype.itemsize <= _PACK_BYTES:
+        if dtype not in NARROW_TARGETS and math.prod(shape) * dtype.itemsize <= _PACK_BYTES:
             by_dtype.setdefault(dtype, []).append(i)
     groups = tuple(tuple(ix) for ix in by_dtype.values() if len(ix) > 1)
     grouped = {i for group in groups for i in group}
@@ -60,6 +64,8 @@ class DlpackRunner:
         and exported outputs gathered, so torch sees one device. None for one device.
       compiler_options: XLA options to compile `jitted` with (`jitted` itself must have none:
         jax.jit takes them at the top level only).
+      names: what error messages call each tensor input (e.g. "map_reduce: argument
+        clients['y']" for a label out of int32's range); default `tensors[i]`.
     """
 
     def __init__(
@@ -69,10 +75,18 @@ class DlpackRunner:
         n_exported: int,
         mesh: Mesh | None,
         compiler_options: Mapping[str, str] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self._jitted = jitted
         self._in_avals = list(in_avals)
         self._groups, self._singles = _pack_groups(in_avals)
+        if names is None:
+            names = [f"tensors[{i}]" for i in range(len(in_avals))]
+        # Named as `jit_arguments` sees them: the packed buffers, then the single tensors.
+        self._crossing_names = [
+            *(" + ".join(names[i] for i in group) for group in self._groups),
+            *(names[i] for i in self._singles),
+        ]
         self._n_exported = n_exported
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         wrap = self._groups or self._replicated is not None
@@ -108,7 +122,7 @@ class DlpackRunner:
             for group in self._groups
         ]
         crossing += [tensors[i] for i in self._singles]
-        arrays = jit_arguments(crossing)
+        arrays = jit_arguments(crossing, names=self._crossing_names)
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
         outputs = self._run(*arrays, *carried)

@@ -13,6 +13,12 @@ them with GSPMD. Explicit axes are refused. Under `torch_xla.runtime.use_spmd()`
 mesh (`torch_xla.distributed.spmd.set_global_mesh`) that has axis names, and no JAX mesh set by
 the caller, the program is lowered under the Auto `AbstractMesh` of the same shape and names
 (`lowering_mesh`), so a mesh axis named like the placement shards it.
+
+64-bit integers while `jax_enable_x64` is off: the program takes int32 / uint32 where the
+tensor is int64 / uint64 (`bridge_mr._dtypes.narrowed`), so such a tensor is cast in the lazy
+graph (`.to(torch.int32)`) after a check that its values fit. The check reads a min and max back
+from the device: one sync per call for all such tensors together, which also runs the pending
+graph that computes them. Cast labels and ids to int32 yourself (or enable x64) to avoid it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bridge_mr import jax_core
+from bridge_mr import _dtypes, jax_core
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch_xla as torch_xla_compat
 from bridge_mr._dtypes import Aval, jax_dtype
@@ -56,20 +62,40 @@ class XlaRunner:
     The program is lowered once, at construction, under `trace_context()` (the context it was
     traced in, so JAX's trace cache serves the lowering: the JAX function is traced once).
 
+    An int64 / uint64 tensor given for an int32 / uint32 input (x64 off) is cast in the graph
+    after its values are checked, which costs one device sync per call (see the module
+    docstring); int32 tensors avoid it.
+
     Args:
       jitted: the jitted program, traced under `trace_context()`.
       in_avals: shapes and dtypes of its inputs (tensors, then carried values).
       n_exported: how many leading outputs are returned as exported; the rest are carried.
+      names: what error messages call each tensor input (e.g. "map_reduce: argument
+        clients['y']" for a label out of int32's range); default `tensors[i]`.
     """
 
-    def __init__(self, jitted: Jitted, in_avals: Sequence[Aval], n_exported: int) -> None:
+    def __init__(
+        self,
+        jitted: Jitted,
+        in_avals: Sequence[Aval],
+        n_exported: int,
+        names: Sequence[str] | None = None,
+    ) -> None:
         self._embedded = _embed(jitted, list(in_avals), check_flat=False)
         self._n_exported = n_exported
+        self._narrowable = _narrowable(in_avals)
+        self._names = names
 
     def __call__(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
-        outputs = list(self._embedded([*tensors, *carried]))
+        inputs = [*tensors, *carried]
+        if self._narrowable:
+            names = self._names
+            inputs = _narrow(
+                inputs, self._narrowable, _positional if names is None else names.__getitem__
+            )
+        outputs = list(self._embedded(inputs))
         n = self._n_exported
         return outputs[:n], outputs[n:]
 
@@ -99,8 +125,11 @@ def call_jax_on_xla(
       ImportError: torch_xla is not installed.
       ValueError: `tensors` is empty or holds a non-XLA tensor; the program shards over a mesh
         with Explicit axes, or (under SPMD) over a mesh of another size than the device count.
-      TypeError: a 64-bit tensor while `jax_enable_x64` is off; `jax_fn` does not return a
-        flat tuple or list of arrays, or cannot be weakly referenced.
+        While `jax_enable_x64` is off: an int64 / uint64 tensor holds a value outside int32 /
+        uint32 (such tensors are cast to it in the graph, after a check that costs one device
+        sync per call: pass int32 tensors to avoid it).
+      TypeError: a float64 / complex128 tensor while `jax_enable_x64` is off; `jax_fn` does not
+        return a flat tuple or list of arrays, or cannot be weakly referenced.
 
     Example:
       >>> x = torch.ones(3, device=torch_xla.device())
@@ -129,6 +158,9 @@ def call_jax_on_xla(
     embedded = per_fn.get(key)
     if embedded is None:
         embedded = per_fn[key] = _embed(jax_fn, avals, check_flat=True)
+    narrowable = _narrowable(avals)
+    if narrowable:
+        tensors = _narrow(tensors, narrowable, _positional)
     return list(embedded(tensors))
 
 
@@ -217,6 +249,35 @@ def _check_tensors(tensors: list[torch.Tensor]) -> None:
                 f"the torch-xla graph and needs every tensor on the XLA device; move it with "
                 f"`tensor.to(torch_xla.device())`."
             )
+
+
+def _positional(index: int) -> str:
+    return f"tensors[{index}]"
+
+
+def _narrowable(avals: Sequence[Aval]) -> tuple[int, ...]:
+    """The inputs a 64-bit integer tensor may be given for (x64 off): those of int32 / uint32."""
+    return tuple(i for i, (_, dtype) in enumerate(avals) if dtype in _dtypes.NARROW_TARGETS)
+
+
+def _narrow(inputs: list[Any], indices: Sequence[int], name_of: Callable[[int], str]) -> list[Any]:
+    """`inputs` with each int64 / uint64 tensor among `indices` cast to int32 / uint32 in the graph.
+
+    Their values are checked first, all with one device read (the sync).
+
+    Raises:
+      ValueError: a value does not fit (`bridge_mr._dtypes.check_narrowable`).
+    """
+    targets = {i: _dtypes.narrowed(inputs[i].dtype) for i in indices}
+    wide = {i: target for i, target in targets.items() if target is not None}
+    if not wide:
+        return inputs
+    found = torch.stack([_dtypes.extremes(inputs[i]) for i in wide]).cpu().tolist()
+    narrowed = list(inputs)
+    for (i, target), (low, high) in zip(wide.items(), found, strict=True):
+        _dtypes.check_narrowable(name_of(i), inputs[i].dtype, low, high)
+        narrowed[i] = inputs[i].to(target)
+    return narrowed
 
 
 def _embed(jax_fn: Callable[..., Any], avals: list[Aval], *, check_flat: bool) -> _Embedded:

@@ -133,6 +133,7 @@ class _OpEntry:
                         n_total,
                         spec.mesh,
                         compiler_options=options,
+                        names=[f"{spec.name}: tensor {i}" for i in range(len(spec.in_avals))],
                     )
                     backward = None
                     if spec.diff and not traced.outputs.fused:

@@ -249,8 +249,7 @@ class TorchFunction:
     ) -> CallSpec:
         """The call signature to trace, with the tensors checked (raises naming a bad one)."""
         name = repr(self)
-        paths = _signature.leaf_paths(treedef, self.arg_names)
-        where = [f"argument {paths[i]}" for i, s in enumerate(statics) if s is TENSOR]
+        where = self._tensor_names(treedef, statics)
         if len({t.device for t in tensors}) > 1:
             raise _signature.device_error(name, tensors, where)
         for tensor, w in zip(tensors, where, strict=True):
@@ -273,6 +272,11 @@ class TorchFunction:
             mesh=_signature.mesh_of(statics),
         )
 
+    def _tensor_names(self, treedef: Any, statics: tuple[Any, ...]) -> list[str]:
+        """What errors call each tensor argument of a call ("argument clients['y']")."""
+        paths = _signature.leaf_paths(treedef, self.arg_names)
+        return [f"argument {paths[i]}" for i, s in enumerate(statics) if s is TENSOR]
+
     def _new_entry(self, traced: TracedCall) -> Entry:
         spec = traced.spec
         forward = runners.runner_for(
@@ -282,6 +286,8 @@ class TorchFunction:
             traced.n_exported,
             spec.mesh,
             compiler_options=traced.compiler_options,
+            # Names a value the runner finds out of range (an int64 label, x64 off).
+            names=[f"{spec.name}: {w}" for w in self._tensor_names(spec.treedef, spec.statics)],
         )
         return Entry(traced, forward, Backward(traced, _derived))
 

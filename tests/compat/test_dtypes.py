@@ -116,7 +116,7 @@ def test_jax_dtypes_torch_lacks_are_refused() -> None:
             _dtypes.torch_dtype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.uint64, torch.complex128])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
 def test_one_x64_message(dtype: torch.dtype) -> None:
     narrow = _dtypes.DTYPES[dtype].narrow
     with jax.enable_x64(False), pytest.raises(TypeError) as info:
@@ -134,3 +134,44 @@ def test_one_x64_message(dtype: torch.dtype) -> None:
     )
     with jax.enable_x64(True):
         assert _dtypes.jax_dtype(dtype, where="tensors[3]") == _dtypes.DTYPES[dtype].jax
+
+
+@pytest.mark.parametrize(
+    ("dtype", "narrow"), [(torch.int64, torch.int32), (torch.uint64, torch.uint32)], ids=str
+)
+def test_64_bit_integers_narrow_while_x64_is_off_and_only_they(
+    dtype: torch.dtype, narrow: torch.dtype
+) -> None:
+    assert _dtypes.DTYPES[dtype].narrows_when_x64_off
+    with jax.enable_x64(False):
+        assert _dtypes.narrowed(dtype) is narrow
+        assert _dtypes.jax_dtype(dtype, where="x") == _dtypes.DTYPES[narrow].jax
+        assert _dtypes.jax_dtype(dtype, where="x", xla=True) == _dtypes.DTYPES[narrow].jax
+    with jax.enable_x64(True):
+        assert _dtypes.narrowed(dtype) is None
+        assert _dtypes.jax_dtype(dtype, where="x") == _dtypes.DTYPES[dtype].jax
+    others = [d for d, info in _dtypes.DTYPES.items() if d not in (torch.int64, torch.uint64)]
+    assert not any(_dtypes.DTYPES[d].narrows_when_x64_off for d in others)
+    with jax.enable_x64(False):
+        assert all(_dtypes.narrowed(d) is None for d in others)
+    assert {np.dtype(np.int32), np.dtype(np.uint32)} == _dtypes.NARROW_TARGETS
+
+
+def test_the_narrowing_check_names_the_value_the_range_and_the_fix() -> None:
+    _dtypes.check_narrowable("x", torch.int64, -(2**31), 2**31 - 1)
+    _dtypes.check_narrowable("x", torch.uint64, 0, 2**32 - 1)
+    with pytest.raises(ValueError, match=r"^args\[0\]\['y'\]: ") as info:
+        _dtypes.check_narrowable("args[0]['y']", torch.int64, -1, 2**31)
+    assert str(info.value) == (
+        "args[0]['y']: a torch.int64 tensor crosses to JAX as int32 while JAX's 64-bit mode is "
+        "off, so its values must lie in [-2147483648, 2147483647]; it holds 2147483648. Fix: "
+        'enable x64 with jax.config.update("jax_enable_x64", True) before any JAX work, or '
+        "bring the values into that range (e.g. renumber the ids) before the call."
+    )
+    # `extremes` reads a uint64 tensor through its int64 view: 2**63 and up come back negative.
+    found = _dtypes.extremes(torch.tensor([5, 2**63], dtype=torch.uint64)).tolist()
+    assert found == [-(2**63), 5]
+    with pytest.raises(ValueError, match=r"it holds 9223372036854775808\. Fix"):
+        _dtypes.check_narrowable("x", torch.uint64, *found)
+    assert _dtypes.extremes(torch.zeros(0, 3, dtype=torch.int64)).tolist() == [0, 0]
+    assert _dtypes.extremes(torch.tensor([[4, -7], [9, 0]]).t()).tolist() == [-7, 9]

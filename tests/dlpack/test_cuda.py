@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from dlpack_cases import values
+from dlpack_cases import dtype_params, values
 from helpers import assert_trees_all_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,7 +44,7 @@ CUDA_DTYPES = (
 )
 
 
-@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", dtype_params(CUDA_DTYPES), ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced", "offset"])
 def test_import_cuda(dtype: torch.dtype, layout: str) -> None:
     base = values((8, 16), dtype).cuda()
@@ -64,7 +64,7 @@ def test_import_cuda(dtype: torch.dtype, layout: str) -> None:
     assert_trees_all_close(array, tensor, rtol=0, atol=0, check_dtype=True)
 
 
-@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", dtype_params(CUDA_DTYPES), ids=str)
 def test_export_cuda(dtype: torch.dtype) -> None:
     source = values((8, 16), dtype)
     array = jax.jit(lambda v: v)(jax.device_put(dlpack.to_jax(source), _gpu(0)))
@@ -75,6 +75,21 @@ def test_export_cuda(dtype: torch.dtype) -> None:
     assert tensor.dtype == dtype
     assert tensor.data_ptr() == array.unsafe_buffer_pointer()
     assert torch.equal(tensor.cpu(), source)
+
+
+def test_x64_off_an_int64_cuda_tensor_narrows_on_its_gpu_in_one_checked_copy() -> None:
+    tensor = torch.arange(-8, 8, device="cuda").reshape(4, 4)
+    with jax.enable_x64(False):
+        with dlpack.count_conversions() as stats:
+            (array,) = dlpack.import_tensors([tensor[:, ::2]])
+        assert array.devices() == {_gpu(0)}
+        assert array.dtype == np.int32
+        assert (stats.copies, stats.bytes_copied) == (1, 8 * 4)
+        np.testing.assert_array_equal(np.asarray(array), tensor[:, ::2].cpu().numpy())
+        with pytest.raises(
+            ValueError, match=r"^tree\['ids'\]: a torch.int64 .* holds 4294967296\."
+        ):
+            dlpack.to_jax({"ids": torch.tensor([0, 2**32], device="cuda")})
 
 
 def test_import_waits_for_pending_torch_work_on_a_side_stream() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -85,6 +87,34 @@ def test_a_wide_tensor_with_x64_off_raises_as_import_tensors_does() -> None:
     expected = r"tensors\[1\] has dtype torch.float64; expected a dtype of at most 32 bits"
     with jax.enable_x64(False), pytest.raises(TypeError, match=expected):
         dlpack.jit_arguments([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+
+
+def test_x64_off_an_int64_tensor_becomes_an_int32_array_in_one_counted_copy() -> None:
+    features, labels = torch.randn(4, 3), torch.tensor([0, 2, 1, 2])
+    with jax.enable_x64(False), dlpack.count_conversions() as stats:
+        shared, narrowed = dlpack.jit_arguments([features, labels])
+        picked = jax.jit(lambda x, y: jax.numpy.take_along_axis(x, y[:, None], axis=1))(
+            shared, narrowed
+        )
+    assert isinstance(shared, np.ndarray)
+    assert _shares_memory(shared, features)
+    assert isinstance(narrowed, jax.Array)
+    assert narrowed.dtype == np.int32
+    assert (stats.imports, stats.copies, stats.bytes_copied) == (2, 1, 4 * 4)
+    np.testing.assert_array_equal(np.asarray(picked)[:, 0], features[torch.arange(4), labels])
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["numpy_views", "transfer_guard"])
+def test_names_name_the_tensors_in_errors(guarded: bool) -> None:
+    labels = torch.tensor([1, 2**31])
+    guard = jax.transfer_guard_host_to_device("disallow" if guarded else "allow")
+    with jax.enable_x64(False), guard:
+        with pytest.raises(ValueError, match=re.escape("clients['y']: a torch.int64 tensor")):
+            dlpack.jit_arguments([torch.ones(2), labels], names=["server['w']", "clients['y']"])
+        with pytest.raises(TypeError, match=re.escape("server['w'] has dtype torch.float64")):
+            dlpack.jit_arguments([torch.ones(2, dtype=torch.float64)], names=["server['w']"])
+        with pytest.raises(ValueError, match=re.escape("tensors[1]: a torch.int64 tensor")):
+            dlpack.jit_arguments([torch.ones(2), labels])
 
 
 def test_an_unsupported_tensor_raises_naming_it() -> None:

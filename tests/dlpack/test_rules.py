@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from dlpack_cases import WIDE_DTYPES, dtype_params, values
+from dlpack_cases import dtype_params, values
 from helpers import assert_trees_all_close
 
 from bridge_mr import dlpack
@@ -144,8 +144,8 @@ def test_misaligned_compact_tensor_is_copied_once_into_aligned_memory() -> None:
     np.testing.assert_array_equal(np.asarray(array), shifted.numpy())
 
 
-@pytest.mark.parametrize("dtype", WIDE_DTYPES, ids=str)
-def test_x64_off_never_downcasts_silently(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+def test_x64_off_never_downcasts_floats_silently(dtype: torch.dtype) -> None:
     tensor = values((2, 3), dtype)
     with jax.enable_x64(False):
         with pytest.raises(TypeError) as info:
@@ -167,6 +167,103 @@ def test_x64_off_never_downcasts_silently(dtype: torch.dtype) -> None:
         assert (stats.copies, stats.bytes_copied) == (1, 6 * narrow)
         expected = tensor.numpy().astype(np.asarray(array).dtype)
         np.testing.assert_array_equal(np.asarray(array), expected)
+
+
+_INT64_LAYOUTS: dict[str, Callable[[torch.dtype], torch.Tensor]] = {
+    "contiguous": lambda d: values((3, 4), d),
+    "transposed": lambda d: values((4, 3), d).t(),
+    "sliced": lambda d: values((3, 8), d)[:, ::2],
+    "misaligned": lambda d: values((13,), d)[1:],
+    "zero_d": lambda d: values((), d),
+    "empty": lambda d: values((0, 3), d),
+}
+
+
+@pytest.mark.parametrize("layout", _INT64_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64], ids=str)
+def test_x64_off_64_bit_integers_cross_as_32_bit_in_one_counted_copy(
+    dtype: torch.dtype, layout: str
+) -> None:
+    tensor = _INT64_LAYOUTS[layout](dtype)
+    narrow = {torch.int64: np.int32, torch.uint64: np.uint32}[dtype]
+    with jax.enable_x64(False), dlpack.count_conversions() as stats:
+        converted = dlpack.to_jax({"labels": tensor})
+    array = converted["labels"]
+    assert array.dtype == narrow
+    assert array.shape == tuple(tensor.shape)
+    np.testing.assert_array_equal(np.asarray(array), tensor.numpy().astype(narrow))
+    assert (stats.imports, stats.copies, stats.bytes_copied) == (1, 1, tensor.numel() * 4)
+
+
+def test_x64_off_each_64_bit_integer_tensor_is_one_copy_and_the_rest_are_shared() -> None:
+    floats = torch.randn(3, 4)
+    ids = [
+        torch.arange(5),
+        torch.arange(6).reshape(2, 3).t(),
+        torch.tensor([7], dtype=torch.uint64),
+    ]
+    with jax.enable_x64(False), dlpack.count_conversions() as stats:
+        arrays = dlpack.import_tensors([floats, *ids])
+    assert (stats.imports, stats.copies, stats.bytes_copied) == (4, 3, (5 + 6 + 1) * 4)
+    assert arrays[0].unsafe_buffer_pointer() == floats.data_ptr()
+    assert [a.dtype for a in arrays] == [np.float32, np.int32, np.int32, np.uint32]
+    for array, tensor in zip(arrays[1:], ids, strict=True):
+        np.testing.assert_array_equal(np.asarray(array), tensor.numpy())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "held", "offending", "bounds"),
+    [
+        (torch.int64, [0, 2**31], "2147483648", "[-2147483648, 2147483647]"),
+        (torch.int64, [-(2**31) - 1, 5], "-2147483649", "[-2147483648, 2147483647]"),
+        (torch.int64, [-(2**40), 2**40], "-1099511627776 and 1099511627776", "[-2147483648, "),
+        (torch.uint64, [1, 2**32], "4294967296", "[0, 4294967295]"),
+        (torch.uint64, [2**64 - 1, 3], "18446744073709551615", "[0, 4294967295]"),
+    ],
+    ids=["int64_above", "int64_below", "int64_both", "uint64_above", "uint64_top_bit"],
+)
+def test_x64_off_a_64_bit_integer_out_of_range_names_the_leaf_the_value_and_the_fix(
+    dtype: torch.dtype, held: list[int], offending: str, bounds: str
+) -> None:
+    tensor = torch.tensor(held, dtype=dtype)
+    narrow = {torch.int64: "int32", torch.uint64: "uint32"}[dtype]
+    start = (
+        f"tree['batch']['y']: a {dtype} tensor crosses to JAX as {narrow} while JAX's 64-bit "
+        f"mode is off, so its values must lie in {bounds}"
+    )
+    with jax.enable_x64(False):
+        with pytest.raises(ValueError, match=f"^{re.escape(start)}") as info:
+            dlpack.to_jax({"batch": {"y": tensor}})
+        message = str(info.value)
+        assert f"it holds {offending}. Fix: " in message
+        assert 'jax.config.update("jax_enable_x64", True) before any JAX work' in message
+        assert "bring the values into that range" in message
+        with pytest.raises(ValueError, match=re.escape("tensors[1]: a ")):
+            dlpack.import_tensors([torch.ones(2), tensor])
+        # allow_x64_downcast is about floats: integers are checked all the same.
+        with pytest.raises(ValueError, match=re.escape(f"it holds {offending}.")):
+            dlpack.to_jax(tensor, allow_x64_downcast=True)
+
+
+def test_x64_off_the_32_bit_range_ends_fit() -> None:
+    ends = torch.tensor([-(2**31), 2**31 - 1])
+    top = torch.tensor([0, 2**32 - 1], dtype=torch.uint64)
+    with jax.enable_x64(False):
+        low_high, unsigned = dlpack.import_tensors([ends, top])
+    np.testing.assert_array_equal(np.asarray(low_high), [-(2**31), 2**31 - 1])
+    np.testing.assert_array_equal(np.asarray(unsigned), np.array([0, 2**32 - 1], np.uint32))
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64], ids=str)
+def test_x64_on_64_bit_integers_cross_as_they_are_without_a_copy(dtype: torch.dtype) -> None:
+    tensor = torch.tensor([3, 2**40, 2**62], dtype=dtype)
+    with dlpack.count_conversions() as stats:
+        array = dlpack.to_jax(tensor)
+    assert array.dtype == {torch.int64: np.int64, torch.uint64: np.uint64}[dtype]
+    assert array.unsafe_buffer_pointer() == tensor.data_ptr()
+    assert stats.copies == 0
+    np.testing.assert_array_equal(np.asarray(array), tensor.numpy())
 
 
 def _quietly(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

@@ -98,10 +98,11 @@ def test_scaled_scalar_loss_and_hessian_vector_product():
     assert_trees_all_close(hvp, hvp_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_non_float_inputs_get_no_gradient_and_int_outputs_are_not_differentiable():
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_non_float_inputs_get_no_gradient_and_int_outputs_are_not_differentiable(index_dtype):
     f = torch_function(lambda x, idx: (x[idx] * 2.0, jnp.argmax(x)))
     x = torch.randn(5, requires_grad=True)
-    idx = torch.tensor([0, 3], dtype=torch.int32)  # int64 needs x64.
+    idx = torch.tensor([0, 3], dtype=index_dtype)  # int64 crosses as int32 while x64 is off.
     values, argmax = f(x, idx)
     assert argmax.dtype == (torch.int64 if jax.config.jax_enable_x64 else torch.int32)
     assert not argmax.requires_grad
@@ -274,7 +275,7 @@ def test_compilable_path_under_fullgraph_compile(scalar):
     f = torch_function(jax_fn, compilable=True)
     x = torch.randn(5, 3)
     w = torch.randn(3, 2, requires_grad=True)
-    idx = torch.tensor([0, 2, 4], dtype=torch.int32)  # int64 needs x64.
+    idx = torch.tensor([0, 2, 4])  # int64, torch's default: crosses as int32 while x64 is off.
 
     def step(x, w, idx):
         out = f(x, w, idx)
@@ -288,6 +289,44 @@ def test_compilable_path_under_fullgraph_compile(scalar):
     (want,) = torch.autograd.grad(want_loss, w)
     assert_trees_all_close(got_loss, want_loss, rtol=1e-5)
     assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_int64_argument_crosses_as_int32_and_one_out_of_range_is_named():
+    f = torch_function(lambda table, ids: (jnp.take(table, ids, axis=0), ids))
+    table = torch.randn(6, 2, requires_grad=True)
+    with jax.enable_x64(False):
+        rows, ids = f(table, torch.tensor([[5, 0], [2, 2]]))
+        assert ids.dtype == torch.int32  # What JAX computed with: outputs keep JAX's dtypes.
+        assert_trees_all_close(rows, table[torch.tensor([[5, 0], [2, 2]])])
+        rows.sum().backward()
+        assert_trees_all_close(table.grad[:, 0], torch.tensor([1.0, 0, 2, 0, 0, 1]))
+        with pytest.raises(ValueError, match=r"^torch_function\(") as info:
+            f(table, torch.tensor([0, -(2**33)]))
+    message = str(info.value)
+    assert ": argument args[1]: a torch.int64 tensor crosses to JAX as int32 while" in message
+    assert "it holds -8589934592. Fix: enable x64" in message
+
+
+@pytest.mark.parametrize("compilable", [False, True], ids=["eager", "custom_op"])
+def test_an_int64_argument_gives_the_int32_result_on_either_path(compilable):
+    f = torch_function(lambda x, idx: jnp.sum(x[idx] ** 2), compilable=compilable)
+    x = torch.randn(5, requires_grad=True)
+    with jax.enable_x64(False):
+        want = torch.autograd.grad(f(x, torch.tensor([0, 3, 3], dtype=torch.int32)), x)
+        got = torch.autograd.grad(f(x, torch.tensor([0, 3, 3])), x)
+        assert_trees_all_close(got, want, rtol=0, atol=0)
+        named = "tensor 1" if compilable else r"argument args\[1\]"
+        with pytest.raises(ValueError, match=f"{named}: a torch.int64 tensor .* holds 2147483648"):
+            f(x, torch.tensor([2**31]))
+
+
+@pytest.mark.x64
+def test_with_x64_on_an_int64_argument_crosses_as_int64():
+    f = torch_function(lambda ids: ids + 1)
+    ids = torch.tensor([2**40, -(2**50)])
+    plus_one = f(ids)
+    assert plus_one.dtype == torch.int64
+    assert torch.equal(plus_one, ids + 1)
 
 
 def _sin_times_and_sum(a, b):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import resource
 import threading
 
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType
 
 import bridge_mr
-from bridge_mr import jax_core
+from bridge_mr import dlpack, jax_core
 from bridge_mr.torch_api import broadcast, map_reduce
 
 F64 = torch.float64
@@ -115,6 +116,75 @@ def test_pytree_outputs_and_jax_fallthrough():
     jax_out = map_reduce(stats, *as_jax, reduce="sum")
     assert isinstance(jax_out["loss"], jax.Array)
     assert_trees_all_close(jax_out, out)
+
+
+def _cross_entropy(params, batch):
+    """A classifier's loss whose labels index (take_along_axis) and one-hot encode."""
+    logits = batch["x"] @ params["w"] + params["b"]
+    log_p = jax.nn.log_softmax(logits)
+    picked = jnp.take_along_axis(log_p, batch["y"][:, None], axis=1)[:, 0]
+    one_hot = jax.nn.one_hot(batch["y"], logits.shape[-1], dtype=logits.dtype)
+    smooth = jnp.sum(one_hot * logits, axis=-1)
+    return -jnp.mean(picked) + 0.1 * jnp.mean(smooth)
+
+
+def _classification(n=4, batch=6, features=3, classes=5):
+    gen = torch.Generator().manual_seed(0)
+    params = {
+        "w": torch.randn(features, classes, generator=gen, requires_grad=True),
+        "b": torch.randn(classes, generator=gen, requires_grad=True),
+    }
+    clients = {
+        "x": torch.randn(n, batch, features, generator=gen, requires_grad=True),
+        "y": torch.randint(0, classes, (n, batch), generator=gen),  # int64, torch's default
+    }
+    return params, clients
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "per_client", "auto"])
+def test_int64_labels_give_the_loss_and_gradients_of_int32_labels(strategy):
+    params, clients = _classification()
+    inputs = [*params.values(), clients["x"]]
+    with jax.enable_x64(False):
+        int32 = {**clients, "y": clients["y"].to(torch.int32)}
+        want = map_reduce(_cross_entropy, params, int32, strategy=strategy)
+        want_grads = torch.autograd.grad(want, inputs)
+        got = map_reduce(_cross_entropy, params, clients, strategy=strategy)
+        got_grads = torch.autograd.grad(got, inputs)
+    # The same program (auto measures each signature itself, and may pick another strategy).
+    tol = 1e-6 if strategy == "auto" else 0
+    assert_trees_all_close(got, want, rtol=tol, atol=tol)
+    assert_trees_all_close(list(got_grads), list(want_grads), rtol=tol, atol=tol)
+    log_p = torch.log_softmax(clients["x"] @ params["w"] + params["b"], dim=-1)
+    torch_loss = -log_p.gather(-1, clients["y"][..., None]).mean()
+    smooth = torch.nn.functional.one_hot(clients["y"], 5) * (
+        clients["x"] @ params["w"] + params["b"]
+    )
+    torch_loss = torch_loss + 0.1 * smooth.sum(-1).mean()
+    assert_trees_all_close(got, torch_loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.x64
+def test_with_x64_on_int64_labels_cross_as_they_are():
+    params, clients = _classification()
+    int32 = {**clients, "y": clients["y"].to(torch.int32)}
+    want = map_reduce(_cross_entropy, params, int32, strategy="vmap")
+    with dlpack.count_conversions() as stats:
+        got = map_reduce(_cross_entropy, params, clients, strategy="vmap")
+    assert stats.copies == 0
+    assert_trees_all_close(got, want, rtol=0, atol=0)
+
+
+def test_an_out_of_range_int64_label_names_the_leaf_and_the_fix():
+    params, clients = _classification()
+    clients["y"][2, 1] = 2**31
+    expected = (
+        "map_reduce: argument clients['y']: a torch.int64 tensor crosses to JAX as int32 while "
+        "JAX's 64-bit mode is off, so its values must lie in [-2147483648, 2147483647]; it holds "
+        '2147483648. Fix: enable x64 with jax.config.update("jax_enable_x64", True)'
+    )
+    with jax.enable_x64(False), pytest.raises(ValueError, match=f"^{re.escape(expected)}"):
+        map_reduce(_cross_entropy, params, clients, strategy="vmap")
 
 
 def _model_and_data(seed, n=4):

@@ -174,6 +174,53 @@ def test_placement_primitives_values_and_gradients_match_cpu(
     assert outputs["cpu"][0].shape == (N_CLIENTS, 4, 3)
 
 
+def _classifier_loss(server: dict[str, jax.Array], client: dict[str, jax.Array]) -> jax.Array:
+    log_p = jax.nn.log_softmax(client["x"] @ server["w"] + server["b"])
+    return -jnp.mean(jnp.take_along_axis(log_p, client["labels"][:, None], axis=1))
+
+
+@pytest.mark.parametrize("compilable", [False, True], ids=["map_reduce", "custom_op"])
+def test_int64_labels_on_xla_match_int32_labels_on_cpu(xla: Any, compilable: bool) -> None:
+    server, clients, _ = _inputs()
+    labels = torch.tensor([[0, 2, 1, 2, 0], [1, 1, 0, 2, 2], [2, 0, 0, 1, 1]])  # int64
+    losses = []
+    if compilable:
+        op = bridge_mr.torch_function(
+            lambda w, b, x, y: _classifier_loss({"w": w, "b": b}, {"x": x, "labels": y}),
+            compilable=True,
+        )
+    for device, ids in (("cpu", labels.to(torch.int32)), (xla.device(), labels)):
+        params = _on(device, server, grad=True)
+        x = clients["x"][0].to(device)
+        with jax.enable_x64(False):
+            if compilable:
+                loss = op(params["w"], params["b"], x, ids[0].to(device))
+            else:
+                batch = {"x": clients["x"].to(device), "labels": ids.to(device)}
+                loss = bridge_mr.map_reduce(_classifier_loss, params, batch)
+            loss.backward()
+        xla.sync()
+        losses.append((loss.detach().cpu(), {k: v.grad.cpu() for k, v in params.items()}))
+    assert_trees_all_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+
+
+def test_an_out_of_range_int64_label_on_xla_names_the_leaf(xla: Any) -> None:
+    server, clients, _ = _inputs()
+    labels = torch.zeros(N_CLIENTS, 5, dtype=torch.int64)
+    labels[1, 2] = -(2**31) - 1
+    batch = {"x": clients["x"].to(xla.device()), "labels": labels.to(xla.device())}
+    params = _on(xla.device(), server, grad=True)
+    with (
+        jax.enable_x64(False),
+        pytest.raises(
+            ValueError,
+            match=r"^map_reduce: argument clients\['labels'\]: a torch.int64 tensor crosses to "
+            r"JAX as int32 .* it holds -2147483649\. Fix: enable x64",
+        ),
+    ):
+        bridge_mr.map_reduce(_classifier_loss, params, batch)
+
+
 @pytest.mark.x64
 def test_gradcheck_on_the_xla_device(xla: Any) -> None:
     """Finite differences on XLA itself: residual path, fused scalar path, double backward."""

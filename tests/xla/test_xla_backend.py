@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import textwrap
 import weakref
 from typing import Any
@@ -213,6 +214,75 @@ def test_64_bit_tensor_without_x64_names_the_setting(xla: Any) -> None:
         pytest.raises(TypeError, match=r"tensors\[0\] has dtype torch.float64.*jax_enable_x64"),
     ):
         call_jax_on_xla(_exp, [x])
+
+
+def _gather(table: jax.Array, rows: jax.Array, cols: jax.Array) -> tuple[jax.Array, ...]:
+    return table[rows, cols], rows + cols
+
+
+def _device_reads(xla: Any) -> int:
+    data = xla.debug.metrics.metric_data("TransferFromDeviceTime")
+    return data[0] if data else 0
+
+
+def test_int64_tensors_are_cast_to_int32_in_the_graph_after_one_device_read(xla: Any) -> None:
+    table = torch.arange(12.0).reshape(3, 4)
+    rows, cols = torch.tensor([2, 0, 1]), torch.tensor([[3], [1]])
+    on_xla = _to_xla(xla, table, rows, cols)
+    with jax.enable_x64(False):
+        before = _device_reads(xla)
+        picked, summed = call_jax_on_xla(_gather, on_xla)
+        assert _device_reads(xla) == before + 1  # One check for both int64 tensors.
+        graph = xla._XLAC._get_xla_tensors_text([picked])
+        assert graph.count("s32[3]{0} xla::cast(") == 1
+        assert graph.count("s32[2,1]{1,0} xla::cast(") == 1
+        assert summed.dtype == torch.int32
+        torch.testing.assert_close(picked.cpu(), table[rows, cols], rtol=0, atol=0)
+        torch.testing.assert_close(summed.cpu(), (rows + cols).to(torch.int32))
+        before = _device_reads(xla)
+        call_jax_on_xla(_gather, _to_xla(xla, table, rows.int(), cols.int()))
+        assert _device_reads(xla) == before  # int32 tensors: nothing to check, no read.
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "message"),
+    [
+        (
+            torch.int64,
+            2**31,
+            "as int32 while JAX's 64-bit mode is off, so its values must lie in "
+            "[-2147483648, 2147483647]; it holds 2147483648. Fix: enable x64",
+        ),
+        (
+            torch.uint64,
+            2**63,
+            "as uint32 while JAX's 64-bit mode is off, so its values must lie "
+            "in [0, 4294967295]; it holds 9223372036854775808. Fix: enable x64",
+        ),
+    ],
+    ids=str,
+)
+def test_an_out_of_range_64_bit_integer_tensor_is_named(
+    xla: Any, dtype: torch.dtype, value: int, message: str
+) -> None:
+    x, ids = _to_xla(xla, torch.ones(3), torch.tensor([0, value, 1], dtype=dtype))
+    with (
+        jax.enable_x64(False),
+        pytest.raises(
+            ValueError, match=re.escape(f"tensors[1]: a {dtype} tensor crosses to JAX {message}")
+        ),
+    ):
+        call_jax_on_xla(lambda a, i: (a + i.sum().astype(a.dtype),), [x, ids])
+
+
+@pytest.mark.x64
+def test_with_x64_on_an_int64_tensor_crosses_as_int64(xla: Any) -> None:
+    table = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)
+    rows, cols = torch.tensor([2, 0, 1]), torch.tensor([[3], [1]])
+    picked, summed = call_jax_on_xla(_gather, _to_xla(xla, table, rows, cols))
+    assert "xla::cast" not in xla._XLAC._get_xla_tensors_text([summed])
+    assert summed.dtype == torch.int64
+    torch.testing.assert_close(picked.cpu(), table[rows, cols], rtol=0, atol=0)
 
 
 class _SlottedCallable:
