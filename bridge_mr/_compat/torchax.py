@@ -6,6 +6,12 @@ Checked on torchax 0.0.14.dev20261026 with torch 2.9.0 and 2.13.0 and jax 0.10.2
 bridge_mr cannot avoid: it turns off torch's fast path for `nn.MultiheadAttention`
 (`torch.backends.mha.set_fastpath_enabled(False)`) and registers torch's "jax" device.
 
+Importing torchax also registers "jax" as torch's PrivateUse1 device, with a device module that
+says it is available; torch then takes it for the process's accelerator, and `torch.compile`
+fails on every call ("PyTorch is not linked with support for jax devices", when dynamo asks
+`torch.accelerator` for the current stream). `import_torchax` makes that module say it is not
+available: torchax itself never asks, and its tensors need no torch device support.
+
 Private entries: `Tensor._elem` (the JAX value a torchax tensor holds) is read and written
 through `value_of` and `rebind`, the way torchax's own in-place ops write it.
 """
@@ -72,6 +78,9 @@ def import_torchax() -> Torchax:
             f"({error}). Install it with `{INSTALL_HINT}`."
         ) from error
     version = str(getattr(torchax, "__version__", "unknown"))
+    device_module = getattr(torchax, "device_module", None)
+    if device_module is not None:
+        device_module.is_available = _not_available
     if version != PINNED:
         raise ImportError(
             f"bridge_mr.from_torch is tested with torchax {PINNED} only; torchax {version} is "
@@ -89,6 +98,11 @@ def import_torchax() -> Torchax:
         )
     )
     return _TORCHAX[0]
+
+
+def _not_available() -> bool:
+    """torchax's "jax" device, as torch.accelerator should see it (see the module docstring)."""
+    return False
 
 
 def value_of(tensor: Any) -> Any:

@@ -62,3 +62,19 @@ def test_a_missing_or_other_torchax_is_an_import_error_with_the_install_command(
     assert out.startswith("IMPORT ERROR:"), out
     assert expected in out
     assert "pip install torchax==0.0.14.dev20261026" in out
+
+
+def test_torch_compile_still_works_after_from_torch_ran() -> None:
+    script = textwrap.dedent(
+        """
+        import jax.numpy as jnp, torch, bridge_mr
+
+        had_accelerator = torch.accelerator.is_available()
+        bridge_mr.from_torch(lambda x: x * 2)(jnp.ones(2))  # imports torchax
+        assert torch.accelerator.is_available() == had_accelerator
+        double = bridge_mr.torch_function(lambda x: 2 * x, compilable=True)
+        compiled = torch.compile(lambda x: double(x) + 1, fullgraph=True, backend="eager")
+        print(compiled(torch.ones(2)).tolist())
+        """
+    )
+    assert run_python(["-c", script]).strip() == "[3.0, 3.0]"
