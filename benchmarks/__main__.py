@@ -29,6 +29,7 @@ from typing import Any  # noqa: E402
 from . import (  # noqa: E402
     cases_boundary,
     cases_federated,
+    cases_from_torch,
     cases_limits,
     cases_models,
     cases_overhead,
@@ -46,6 +47,7 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "limits": cases_limits.run,
     "cnn": lambda ctx: cases_models.run(ctx, "cnn"),
     "lm": lambda ctx: cases_models.run(ctx, "lm"),
+    "from_torch": cases_from_torch.run,
 }
 
 

@@ -860,8 +860,12 @@ def round_torch_loss(model_name: str, forward: Callable[[Any], Any], batch: tupl
     return -logp.gather(-1, tokens[..., 1:].long().unsqueeze(-1)).mean()
 
 
-def jax_cnn(params: Mapping[str, Any], x: Any) -> Any:
-    """`round_torch_model("cnn")` in JAX: NCHW `lax.conv_general_dilated`, OIHW kernels."""
+def jax_cnn(params: Mapping[str, Any], x: Any, *, reduce_window: bool = False) -> Any:
+    """`round_torch_model("cnn")` in JAX: NCHW `lax.conv_general_dilated`, OIHW kernels.
+
+    The 2x2 max-pool is a reshape and a max, or (`reduce_window`) `lax.reduce_window`, as
+    flax's `nn.max_pool` and torchax's `max_pool2d` write it (its gradient: select_and_scatter).
+    """
     import jax
     from jax import lax
 
@@ -873,7 +877,11 @@ def jax_cnn(params: Mapping[str, Any], x: Any) -> Any:
 
     h = conv(conv(x, "0"), "2")
     *lead, c, height, width = h.shape
-    h = h.reshape(*lead, c, height // 2, 2, width // 2, 2).max(axis=(-3, -1))
+    if reduce_window:
+        window = (1,) * (h.ndim - 2) + (2, 2)
+        h = lax.reduce_window(h, np.array(-np.inf, h.dtype), lax.max, window, window, "VALID")
+    else:
+        h = h.reshape(*lead, c, height // 2, 2, width // 2, 2).max(axis=(-3, -1))
     h = h.reshape(*lead, -1)
     h = jax.nn.relu(h @ params["6.weight"].T + params["6.bias"])
     return h @ params["8.weight"].T + params["8.bias"]
