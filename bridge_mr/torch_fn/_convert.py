@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,9 @@ from bridge_mr._compat import torchax as torchax_compat
 from ._environment import UnsupportedTorchOperation, environment, keyed
 
 __all__ = ["FromTorch", "client_keys", "from_torch"]
+
+#: JAX's warning when the torch code asks for int64 / uint64 while x64 is off.
+_INT64_TRUNCATED = r"Explicitly requested dtype u?int64 .* truncated to dtype u?int32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +85,11 @@ class FromTorch:
             torch.enable_grad(),
             torch.device("jax"),
             jax.numpy_dtype_promotion("standard"),
+            # With x64 off, `.long()` and other int64 requests compute in int32 (the documented
+            # rule for integers inside), so JAX's warning about it is not news.
+            warnings.catch_warnings(),
         ):
+            warnings.filterwarnings("ignore", _INT64_TRUNCATED, UserWarning)
             # Functionalized: torchax copies the results of view ops, so an in-place write
             # through a view (`h.view(-1).mul_(2)`) would otherwise be lost.
             out = torch.func.functionalize(self.torch_fn, remove="mutations")(*t_args, **t_kwargs)

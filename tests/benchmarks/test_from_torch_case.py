@@ -10,12 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-# torchax's `.long()` of the int32 labels asks JAX for int64, which x64-off JAX truncates with
-# a warning (int64 crossing is not in bridge_mr yet).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Explicitly requested dtype int64 requested in astype:UserWarning"
-)
-
 
 @pytest.fixture(scope="module")
 def case(pytestconfig: pytest.Config) -> ModuleType:

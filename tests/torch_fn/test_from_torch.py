@@ -614,3 +614,11 @@ def test_gather_reads_like_torch_with_a_smaller_index(dim: int) -> None:
         jnp.asarray(x.numpy()), jnp.asarray(index.numpy().astype(np.int32))
     )
     _close(got, torch.gather(x, dim, index), "gather")
+
+
+def test_long_inside_computes_in_int32_without_a_warning() -> None:
+    fn = bridge_mr.from_torch(lambda logits, y: F.cross_entropy(logits, y.long()))
+    logits = torch.randn(4, 3)
+    y = torch.tensor([0, 2, 1, 2])
+    got = fn(jnp.asarray(logits.numpy()), jnp.asarray(y.numpy().astype(np.int32)))
+    _close(got, F.cross_entropy(logits, y), "cross_entropy of .long() labels")
