@@ -5,12 +5,13 @@
 | `_flags` | nothing | neither jax nor torch |
 | `_compat` | nothing (each submodule: its own library only) | `_compat.jax`: jax, no torch |
 | `jax_core` | `_compat` | jax (never torch, torch_xla) |
-| top level | `jax_core`, `_flags`; `dlpack`, `torch_api`, `torch_fn` lazily | jax (no torch) |
+| top level | `jax_core`, `_flags`; `dlpack`, `torch_api`, `torch_fn`, `distributed` lazily | jax |
 | `_dtypes` | `_compat` | jax, torch |
 | `dlpack` | `_compat`, `_dtypes` | jax, torch |
 | `runners` | `dlpack`, `jax_core`, `_compat`, `_dtypes` | jax, torch (torch_xla lazily) |
 | `torch_api` | `jax_core`, `dlpack`, `runners`, `_compat`, `_dtypes` | jax, torch |
 | `torch_fn` (`from_torch`) | `_compat` | jax, torch (torchax on first call) |
+| `distributed` | nothing | jax (no torch) |
 | `demo` | any public name | jax, torch |
 | `benchmarks/`, `examples/` | public names only, never the demo | |
 
@@ -63,13 +64,15 @@ LAYERS: dict[str, Layer] = {
     "_compat": Layer(frozenset()),
     "jax_core": Layer(frozenset({"_compat"})),
     "": Layer(
-        frozenset({"jax_core", "_flags"}), lazily=frozenset({"dlpack", "torch_api", "torch_fn"})
+        frozenset({"jax_core", "_flags"}),
+        lazily=frozenset({"dlpack", "torch_api", "torch_fn", "distributed"}),
     ),
     "_dtypes": Layer(frozenset({"_compat"})),
     "dlpack": Layer(frozenset({"_compat", "_dtypes"})),
     "runners": Layer(frozenset({"dlpack", "jax_core", "_compat", "_dtypes"})),
     "torch_api": Layer(frozenset({"jax_core", "dlpack", "runners", "_compat", "_dtypes"})),
     "torch_fn": Layer(frozenset({"_compat"})),
+    "distributed": Layer(frozenset()),
     DEMO: Layer(frozenset(), public_only=True),
 }
 
@@ -84,6 +87,7 @@ LOADS: dict[str, frozenset[str]] = {
     "bridge_mr.runners": frozenset({"jax", "torch"}),
     "bridge_mr.torch_api": frozenset({"jax", "torch"}),
     "bridge_mr.torch_fn": frozenset({"jax", "torch"}),
+    "bridge_mr.distributed": frozenset({"jax"}),
     "bridge_mr.demo": frozenset({"jax", "torch"}),
 }
 
