@@ -73,7 +73,8 @@ def initialize(
       RuntimeError: a torchrun variable an argument left None is not set (the message names
         each missing one), the process already connected with other arguments, or JAX already
         computed in this process.
-      ValueError: a variable or argument is out of range or not an integer.
+      ValueError: a variable or argument is out of range or not an integer, or the coordinator
+        port is not a valid port.
 
     Example::
 
@@ -133,6 +134,8 @@ def initialize(
                 heartbeat_timeout_seconds=heartbeat_timeout_seconds,
             )
         except RuntimeError as error:
+            if "before any JAX computation" not in str(error):
+                raise
             raise RuntimeError(
                 f"bridge_mr.distributed.initialize: jax.distributed could not start ({error}). "
                 f"It must run before this process's first JAX computation: call "
@@ -145,8 +148,16 @@ def initialize(
 def _check_port_free(address: str) -> None:
     """Fails clearly where rank 0's coordination service could not listen (JAX would crash)."""
     host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"bridge_mr.distributed.initialize: expected the coordinator address to end in a "
+            f"port between 1 and 65535, got {address!r}. Fix: set BRIDGE_MR_COORDINATOR_PORT or "
+            f"MASTER_PORT to a valid port."
+        )
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As the coordination service binds: a port a finished job left in TIME_WAIT is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("", int(port)))
     except OSError as error:
         raise RuntimeError(

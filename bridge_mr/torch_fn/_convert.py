@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,23 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torchax as torchax_compat
 
 from ._environment import UnsupportedTorchOperation, environment, keyed
 
 __all__ = ["FromTorch", "client_keys", "from_torch"]
 
-#: JAX's warning when the torch code asks for int64 / uint64 while x64 is off.
-_INT64_TRUNCATED = r"Explicitly requested dtype u?int64 .* truncated to dtype u?int32"
-
 
 @dataclasses.dataclass(frozen=True)
 class FromTorch:
-    """A torch function run as JAX operations: what `bridge_mr.from_torch` returns.
-
-    Calling it takes and returns pytrees of JAX arrays. Two of them are equal when they convert
-    the same torch function with the same options, so a converted function made anew on every
-    step of a training loop still reuses bridge_mr's traces.
+    """A torch function run as JAX operations, with the options `from_torch` was given.
 
     Attributes:
       torch_fn: the torch function.
@@ -74,8 +67,12 @@ class FromTorch:
         env = environment()
         tx = torchax_compat.import_torchax()
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-        originals = [leaf for _, leaf in paths_leaves]
         wrapped = [_to_torch(leaf, path, self, tx, env) for path, leaf in paths_leaves]
+        # What each tensor held when the call began (a numpy leaf's JAX copy, not the leaf).
+        originals = [
+            torchax_compat.value_of(t) if isinstance(t, tx.Tensor) else leaf
+            for t, (_, leaf) in zip(wrapped, paths_leaves, strict=True)
+        ]
         t_args, t_kwargs = jax.tree_util.tree_unflatten(treedef, wrapped)
         with (
             keyed(key) if key is not None else contextlib.nullcontext(),
@@ -85,11 +82,7 @@ class FromTorch:
             torch.enable_grad(),
             torch.device("jax"),
             jax.numpy_dtype_promotion("standard"),
-            # With x64 off, `.long()` and other int64 requests compute in int32 (the documented
-            # rule for integers inside), so JAX's warning about it is not news.
-            warnings.catch_warnings(),
         ):
-            warnings.filterwarnings("ignore", _INT64_TRUNCATED, UserWarning)
             # Functionalized: torchax copies the results of view ops, so an in-place write
             # through a view (`h.view(-1).mul_(2)`) would otherwise be lost.
             out = torch.func.functionalize(self.torch_fn, remove="mutations")(*t_args, **t_kwargs)
@@ -147,6 +140,13 @@ def _to_torch(leaf: Any, path: tuple[Any, ...], fn: FromTorch, tx: Any, env: Any
             f"with bridge_mr.dlpack.to_jax."
         )
     if isinstance(leaf, np.ndarray | np.generic):
+        if leaf.dtype.itemsize == 8 and leaf.dtype.kind in "fciu" and not jax_compat.x64_enabled():
+            raise TypeError(
+                f"{fn!r}: argument {_describe(path)} is a numpy array of dtype {leaf.dtype}, "
+                f"which JAX would silently narrow to 32 bits while its x64 mode is off. Fix: "
+                f"cast it to a 32-bit dtype yourself, or enable x64 with "
+                f'jax.config.update("jax_enable_x64", True).'
+            )
         leaf = jnp.asarray(leaf)
     if not isinstance(leaf, jax.Array):
         return leaf  # numbers, strings, None: the torch code gets them as they are
@@ -204,7 +204,7 @@ def from_torch(
     *,
     mutable: int | Sequence[int] = (),
     rng: bool = False,
-) -> FromTorch:
+) -> Callable[..., Any]:
     """Turns a function written in torch into a JAX function: pytrees of arrays in and out.
 
     The torch code runs as JAX operations (through torchax), so the result composes with
@@ -227,8 +227,10 @@ def from_torch(
         of it. `torch.manual_seed` does not reach inside.
 
     Returns:
-      The JAX function, a `FromTorch`: `fn(*args, **kwargs)`, or `fn(key, *args, **kwargs)`
-      with `rng=True`.
+      The JAX function: `fn(*args, **kwargs)`, or `fn(key, *args, **kwargs)` with `rng=True`.
+      Convert once and reuse the result: like a function given to `jax.jit`, it reads the
+      modules its torch code uses (train / eval mode included) when it is traced, so after
+      `model.eval()` convert again (or call `bridge_mr.clear_caches()`).
 
     Raises:
       TypeError: `torch_fn` is not callable, or `mutable` is not an index or a sequence of
@@ -272,7 +274,17 @@ def from_torch(
         )
     if not isinstance(rng, bool):
         raise TypeError(f"from_torch: expected rng to be True or False, got {rng!r}.")
-    return FromTorch(torch_fn, tuple(indices), one, rng)
+    spec = FromTorch(torch_fn, tuple(indices), one, rng)
+
+    # A plain function, so bridge_mr keys it as it keys any function (README, "When a call
+    # traces again"): the same object reuses its traces; a new conversion of code that reads a
+    # module (its train / eval mode, its attributes) is traced again, as jax.jit would.
+    def converted(*args: Any, **kwargs: Any) -> Any:
+        return spec(*args, **kwargs)
+
+    converted.__name__ = converted.__qualname__ = repr(spec)
+    converted.__doc__ = getattr(torch_fn, "__doc__", None)
+    return converted
 
 
 def client_keys(seed: int, step: int, num_clients: int) -> torch.Tensor:

@@ -86,17 +86,21 @@ def keyed(key: jax.Array) -> Iterator[None]:
 
 
 _CREATE_LOCK = threading.Lock()
+_ENVIRONMENT: list[Any] = []  # the strict environment, once built
 
 
-@functools.cache
 def environment() -> Any:
     """The strict torchax `Environment` (built once; torchax imported on first call).
 
     Raises:
       ImportError: torchax is missing or not the pinned version.
     """
+    if _ENVIRONMENT:
+        return _ENVIRONMENT[0]
     global _LIBRARY_DIRS
     with _CREATE_LOCK:
+        if _ENVIRONMENT:
+            return _ENVIRONMENT[0]
         tx = torchax_compat.import_torchax()
         _LIBRARY_DIRS = _library_dirs(tx)
         env = tx.Environment()
@@ -112,6 +116,7 @@ def environment() -> Any:
         env.override_op_definition(
             _aten._native_batch_norm_legit_functional.default, _batch_norm_functional
         )
+        _ENVIRONMENT.append(env)
         return env
 
 
@@ -153,6 +158,13 @@ def _strict_dispatch(
             f"torch.func.functional_call(model, params_and_buffers, args)), or create it "
             f"inside the function."
         )
+    if func in _DEVICE_MOVES:
+        return _move(func, args, kwargs or {})
+    if not aten and any(torch_compat.is_functional_tensor(t) for t in tensors):
+        # Functionalization's wrappers report the meta device and hold no values: torchax's own
+        # handling of a Python-level function (`Tensor.to` copies its argument's storage) would
+        # read them. Run the function itself: it reaches torchax again as ATen ops, unwrapped.
+        return func(*args, **(kwargs or {}))
     try:
         result = dispatch(func, types, args, kwargs)
     except tx.OperatorNotFound:
@@ -167,6 +179,23 @@ def _strict_dispatch(
     if not torch.is_grad_enabled():
         result = _without_gradient(tx, result)
     return result
+
+
+#: Device moves: inside `from_torch` every value is JAX's, so a move keeps only its dtype part.
+_DEVICE_MOVES = frozenset({torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda})
+
+
+def _move(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """`Tensor.to` / `.cpu()` / `.cuda()` as a dtype conversion only (the device stays JAX's)."""
+    tensor, *rest = args
+    dtype = kwargs.get("dtype")
+    if func is torch.Tensor.to:
+        for arg in rest:
+            if isinstance(arg, torch.dtype):
+                dtype = arg
+            elif isinstance(arg, torch.Tensor):
+                dtype = arg.dtype
+    return tensor if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
 
 
 def _without_gradient(tx: torchax_compat.Torchax, result: Any) -> Any:
@@ -217,6 +246,20 @@ def _gather(tensor: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> 
     x, i = torchax_compat.value_of(tensor), torchax_compat.value_of(index)
     if x.ndim == 0:
         return tx.Tensor(jnp.broadcast_to(x, i.shape), environment())
+    if (
+        not -x.ndim <= dim < x.ndim
+        or i.ndim != x.ndim
+        or any(
+            n > m
+            for d, (n, m) in enumerate(zip(i.shape, x.shape, strict=True))
+            if d != dim % x.ndim
+        )
+    ):
+        raise UnsupportedTorchOperation(
+            f"torch.gather at {user_line()}: expected dim in [-{x.ndim}, {x.ndim}) and an index "
+            f"of {x.ndim} dimensions no larger than the input's outside dim, got dim={dim}, "
+            f"input shape {tuple(x.shape)}, index shape {tuple(i.shape)} (torch raises here too)."
+        )
     dim = dim % x.ndim
     # torch reads only the leading index.shape[d] entries of the other dimensions.
     x = x[tuple(slice(None) if d == dim else slice(0, n) for d, n in enumerate(i.shape))]

@@ -10,6 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+# The case's torch loss calls `.long()` on int32 labels, which JAX (x64 off) computes in int32
+# with a warning.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Explicitly requested dtype int64 requested in astype:UserWarning"
+)
+
 
 @pytest.fixture(scope="module")
 def case(pytestconfig: pytest.Config) -> ModuleType:

@@ -96,6 +96,7 @@ def test_outside_torchrun_the_error_names_the_missing_variables() -> None:
         ({"RANK": "2", "WORLD_SIZE": "2"}, "rank=2, world_size=2"),
         ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK to be an integer, got 'x'"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, "world_size=0"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "65535"}, "between 1 and 65535"),
     ],
 )
 def test_bad_values_are_refused_before_anything_starts(environ: dict[str, str], match: str) -> None:

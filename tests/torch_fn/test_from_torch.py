@@ -274,21 +274,26 @@ def test_fedavg_training_loop_converges_and_traces_once() -> None:
     assert counts[-1] == counts[0], f"map_reduce traced again during training: {counts}"
 
 
-def test_a_converted_function_made_anew_each_step_does_not_retrace() -> None:
-    model = _make("mlp")
-    data = _data("mlp", 2, 4)
+def test_a_conversion_reuses_its_trace_and_a_new_one_sees_eval_mode() -> None:
+    model = _make("cnn_batchnorm")
+    data = _data("cnn_batchnorm", 2, 4)
     loss = _client_loss(model)
 
     def fn(state: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return loss(state, batch["x"], batch["y"])
 
+    converted = bridge_mr.from_torch(fn, mutable=0)
     counts = []
     for _ in range(3):
-        bridge_mr.map_reduce(bridge_mr.from_torch(fn), _state(model), data).backward()
+        out, _ = bridge_mr.map_reduce(converted, _state(model), data)
+        out.backward()
         counts.append(bridge_mr.trace_counts()["map_reduce"])
     assert counts[0] == counts[-1]
-    assert bridge_mr.from_torch(fn) == bridge_mr.from_torch(fn)
-    assert bridge_mr.from_torch(fn) != bridge_mr.from_torch(fn, rng=True)
+    model.eval()  # read when traced, as jax.jit reads a function's state: convert again
+    eval_loss, _ = bridge_mr.map_reduce(bridge_mr.from_torch(fn, mutable=0), _state(model), data)
+    with torch.no_grad():
+        expected = torch.stack([loss(_state(model), data["x"][c], data["y"][c]) for c in range(2)])
+    _close(eval_loss.detach(), expected.mean(), "eval-mode loss")
 
 
 def test_a_torch_optimizer_loop_through_fedsgd_converges() -> None:
@@ -616,9 +621,44 @@ def test_gather_reads_like_torch_with_a_smaller_index(dim: int) -> None:
     _close(got, torch.gather(x, dim, index), "gather")
 
 
-def test_long_inside_computes_in_int32_without_a_warning() -> None:
+def test_long_inside_computes_in_int32_with_jax_s_warning() -> None:
     fn = bridge_mr.from_torch(lambda logits, y: F.cross_entropy(logits, y.long()))
     logits = torch.randn(4, 3)
     y = torch.tensor([0, 2, 1, 2])
-    got = fn(jnp.asarray(logits.numpy()), jnp.asarray(y.numpy().astype(np.int32)))
+    with pytest.warns(UserWarning, match=r"int64 .* truncated to dtype int32"):
+        got = fn(jnp.asarray(logits.numpy()), jnp.asarray(y.numpy().astype(np.int32)))
     _close(got, F.cross_entropy(logits, y), "cross_entropy of .long() labels")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_to_a_dtype_a_device_or_a_tensor_converts_like_torch(jit: bool) -> None:
+    def fn(x: torch.Tensor) -> Any:
+        return (
+            x.to(torch.float16).to(torch.float32) * 3,
+            x.to("jax") * 3,
+            x.to(dtype=torch.int32),
+            x.to(x) + 1,
+            x.cpu() * 2,
+        )
+
+    x = torch.tensor([1.0, 2.5, -3.0])
+    converted = bridge_mr.from_torch(fn)
+    got = (jax.jit(converted) if jit else converted)(jnp.asarray(x.numpy()))
+    expected = (x.half().float() * 3, x * 3, x.int(), x + 1, x * 2)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b.numpy())
+
+
+def test_numpy_arguments_are_not_taken_for_writes_and_64_bit_ones_are_refused() -> None:
+    out = bridge_mr.from_torch(lambda x: x * 2)(np.arange(3, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(out), [0.0, 2.0, 4.0])
+    with pytest.raises(TypeError, match=r"float64.*narrow"):
+        bridge_mr.from_torch(lambda x: x * 2)(np.arange(3.0))
+
+
+def test_gather_with_a_bad_dim_or_index_shape_is_an_error() -> None:
+    x = jnp.ones((2, 3))
+    with pytest.raises(UnsupportedTorchOperation, match="dim=3"):
+        bridge_mr.from_torch(lambda x, i: torch.gather(x, 3, i))(x, jnp.zeros((2, 1), jnp.int32))
+    with pytest.raises(UnsupportedTorchOperation, match="index shape"):
+        bridge_mr.from_torch(lambda x, i: torch.gather(x, 1, i))(x, jnp.zeros((4, 1), jnp.int32))
