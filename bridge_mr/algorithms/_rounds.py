@@ -1,0 +1,163 @@
+"""One round of FedAvg / FedOpt / DiLoCo on torch parameters: the mean delta and the outer step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, TypeAlias
+
+import torch
+from jax.sharding import AbstractMesh, Mesh
+
+from bridge_mr.torch_api import map_reduce
+
+from ._local import LocalTraining, check_batch_stack
+
+PyTree: TypeAlias = Any
+Strategy: TypeAlias = Literal["auto", "vmap", "per_client", "chunks"]
+Params: TypeAlias = Mapping[str, torch.Tensor]
+
+
+def mean_delta(
+    local: LocalTraining,
+    params: Params,
+    client_batches: PyTree,
+    *,
+    hparams: PyTree | None = None,
+    weights: torch.Tensor | None = None,
+    strategy: Strategy = "auto",
+    chunk_size: int | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The clients' (weighted) mean delta of one round, differentiable, by `bridge_mr.map_reduce`.
+
+    Every client runs `local` from `params` on its batch stack; the deltas and losses are
+    averaged, weighted by `weights` (e.g. example counts; zero for padding) when given. The
+    result is an ordinary torch value: gradients reach `params`, `hparams` and the batches
+    (e.g. a client learning rate: hypergradients through the whole round).
+
+    Args:
+      local: the client function, from `local_training`.
+      params: the server's parameters, e.g. `dict(model.named_parameters())`.
+      client_batches: a pytree of tensors shaped `[clients, steps, ...]`.
+      hparams: the value `local`'s optimizer factory takes (tensors, numbers or a pytree of
+        them); required exactly when `local` was made with a factory.
+      weights: one weight per client (shape `[clients]`), or None for the plain mean.
+      strategy: `bridge_mr.map_reduce`'s strategy ("auto", "vmap", "per_client", "chunks").
+      chunk_size: for strategy="chunks": clients per chunk.
+      mesh: the mesh whose "clients" axis the clients are sharded over (see `map_reduce`).
+
+    Returns:
+      `(delta, metrics)`: the mean delta, keyed like `params`, and `{"loss": mean local loss,
+      "first_loss": mean loss of the first local step (the server model's)}`.
+
+    Raises:
+      TypeError: `local` is not a `LocalTraining`, `params` not a mapping of tensors.
+      ValueError: a batch leaf's second dimension is not `local.steps`; `hparams` given to
+        (or missing for) `local`; and what `bridge_mr.map_reduce` raises.
+
+    Example::
+
+        delta, metrics = alg.mean_delta(local, dict(model.named_parameters()), batches)
+    """
+    server = _server(local, params, client_batches, hparams, "mean_delta")
+    result = map_reduce(
+        local,
+        server,
+        client_batches,
+        reduce="mean" if weights is None else "weighted_mean",
+        weights=weights,
+        mesh=mesh,
+        strategy=strategy,
+        chunk_size=chunk_size,
+    )
+    delta = result.pop("delta")
+    return delta, result
+
+
+def outer_step(
+    local: LocalTraining,
+    params: Params,
+    client_batches: PyTree,
+    *,
+    hparams: PyTree | None = None,
+    weights: torch.Tensor | None = None,
+    strategy: Strategy = "auto",
+    chunk_size: int | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
+) -> dict[str, torch.Tensor]:
+    """Runs one round's clients and sets each parameter's `.grad` to minus the mean delta.
+
+    That is the outer pseudo-gradient: a following `server_opt.step()` of any `torch.optim`
+    optimizer over `params` is the server update (SGD(lr=1): FedAvg; SGD with momentum:
+    FedAvgM; Adam: FedAdam; `Yogi`: FedYogi; SGD(nesterov=True) after AdamW inner steps:
+    DiLoCo). `.grad` is replaced, not accumulated; nothing is differentiated (use `mean_delta`
+    to differentiate through a round).
+
+    Args:
+      local, params, client_batches, hparams, weights, strategy, chunk_size, mesh: as for
+        `mean_delta`.
+
+    Returns:
+      The round's metrics, `{"loss": ..., "first_loss": ...}` (0-d torch tensors).
+
+    Raises:
+      As `mean_delta`.
+
+    Example::
+
+        server_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        metrics = alg.outer_step(local, dict(model.named_parameters()), batches)
+        server_opt.step()
+        server_opt.zero_grad()
+    """
+    with torch.no_grad():
+        delta, metrics = mean_delta(
+            local,
+            params,
+            client_batches,
+            hparams=hparams,
+            weights=weights,
+            strategy=strategy,
+            chunk_size=chunk_size,
+            mesh=mesh,
+        )
+        set_pseudo_gradient(params, delta)
+    return metrics
+
+
+def set_pseudo_gradient(params: Params, update: Mapping[str, torch.Tensor]) -> None:
+    """Sets `params[k].grad = -update[k]` for every key (detached, in the parameter's dtype)."""
+    for name, p in params.items():
+        p.grad = (-update[name].detach()).to(dtype=p.dtype, device=p.device)
+
+
+def _server(
+    local: Any, params: Any, client_batches: PyTree, hparams: PyTree | None, caller: str
+) -> PyTree:
+    """The server value `local` takes, after checking the arguments."""
+    if not isinstance(local, LocalTraining):
+        raise TypeError(
+            f"{caller}(local=...): expected the client function from "
+            f"bridge_mr.algorithms.local_training(...), got {type(local).__name__}."
+        )
+    if not isinstance(params, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()
+    ):
+        raise TypeError(
+            f"{caller}(params=...): expected a mapping from names to torch tensors, e.g. "
+            f"dict(model.named_parameters()), got {type(params).__name__}."
+        )
+    check_batch_stack(client_batches, local.steps, f"{caller}(client_batches=...)", axis=1)
+    if local.takes_hparams and hparams is None:
+        raise ValueError(
+            f"{caller}(hparams=...): local's optimizer is a factory of hparams, so hparams is "
+            "required (e.g. hparams=torch.tensor(0.1) for lambda lr: optax.sgd(lr)); got None."
+        )
+    if not local.takes_hparams and hparams is not None:
+        raise ValueError(
+            f"{caller}(hparams=...): local's optimizer is a fixed optax transformation, which "
+            "takes no hparams; got some. Fix: drop hparams, or make local_training's optimizer "
+            "a function of them (e.g. lambda lr: optax.sgd(lr))."
+        )
+    params = dict(params)
+    return (params, hparams) if local.takes_hparams else params
