@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 
-__all__ = ["Process", "initialize"]
+__all__ = ["Process", "current", "initialize"]
 
 #: The variables torchrun sets for every process it starts.
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -25,12 +26,15 @@ class Process:
       world_size: how many processes run the program (torchrun's WORLD_SIZE).
       local_rank: this process's index on its machine (torchrun's LOCAL_RANK).
       coordinator_address: host:port of JAX's coordination service (run by rank 0).
+      check_replicas: whether `map_reduce` checks, on every call, that the server tensors are
+        equal on every rank (a debug check: one hash of each server tensor per call).
     """
 
     rank: int
     world_size: int
     local_rank: int
     coordinator_address: str
+    check_replicas: bool = False
 
 
 _LOCK = threading.Lock()
@@ -45,6 +49,8 @@ def initialize(
     local_rank: int | None = None,
     initialization_timeout_seconds: int = 300,
     heartbeat_timeout_seconds: int = 100,
+    check_replicas: bool | None = None,
+    local_device_ids: Sequence[int] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Process:
     """Connects this process to the others of its torchrun job through `jax.distributed`.
@@ -64,6 +70,12 @@ def initialize(
       initialization_timeout_seconds: how long to wait for every process to connect.
       heartbeat_timeout_seconds: after how long without a heartbeat a process counts as dead,
         so that the others fail instead of waiting for it.
+      check_replicas: have every `map_reduce` call check that the server tensors are equal on
+        every rank, and name those that are not (a debug check; default: the environment
+        variable `BRIDGE_MR_CHECK_REPLICAS=1`, else off).
+      local_device_ids: the devices of this machine this process uses (JAX's argument of that
+        name). Default: on GPUs, `[local_rank]` (torchrun's one GPU per process), where JAX
+        would otherwise take every GPU of the machine in every process; on CPU, all.
       environ: the environment to read (default `os.environ`).
 
     Returns:
@@ -114,7 +126,11 @@ def initialize(
             else _integer(env, "MASTER_PORT") + 1
         )
         coordinator_address = f"{env['MASTER_ADDR']}:{port}"
-    process = Process(rank, world, local, coordinator_address)
+    if check_replicas is None:
+        check_replicas = env.get("BRIDGE_MR_CHECK_REPLICAS", "0") not in ("", "0")
+    if local_device_ids is None and _cuda_plugin_installed():
+        local_device_ids = [local]
+    process = Process(rank, world, local, coordinator_address, check_replicas)
     with _LOCK:
         if _STARTED:
             if _STARTED[0] != process:
@@ -132,6 +148,7 @@ def initialize(
                 process_id=rank,
                 initialization_timeout=initialization_timeout_seconds,
                 heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                local_device_ids=local_device_ids,
             )
         except RuntimeError as error:
             if "before any JAX computation" not in str(error):
@@ -143,6 +160,25 @@ def initialize(
             ) from error
         _STARTED.append(process)
         return process
+
+
+def current() -> Process | None:
+    """The process `initialize` connected, or None where it has not run (one process).
+
+    Example::
+
+        process = bridge_mr.distributed.current()
+        rank = 0 if process is None else process.rank
+    """
+    return _STARTED[0] if _STARTED else None
+
+
+def _cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is installed (found without importing or starting it)."""
+    return any(
+        importlib.util.find_spec(name) is not None
+        for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")
+    )
 
 
 def _check_port_free(address: str) -> None:

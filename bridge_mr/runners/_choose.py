@@ -8,9 +8,10 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from bridge_mr import distributed
 from bridge_mr._dtypes import Aval
 
-from . import _dlpack, _xla
+from . import _dlpack, _processes, _xla
 from ._protocols import Jitted, Runner
 
 
@@ -23,6 +24,9 @@ def runner_for(
     carried_avals: Sequence[Aval] = (),
     compiler_options: Mapping[str, str] | None = None,
     names: Sequence[str] | None = None,
+    layout: distributed.Layout | None = None,
+    in_per_rank: Sequence[bool] = (),
+    out_per_rank: Sequence[bool] = (),
 ) -> Runner:
     """The runner of `program` for tensors of `device_type` ("cpu", "cuda" or "xla").
 
@@ -40,6 +44,10 @@ def runner_for(
       names: what error messages call each tensor input, e.g. for an int64 tensor given for
         an int32 input (x64 off) that holds a value out of int32's range; default
         `tensors[i]`.
+      layout: across several processes: the agreed layout of the ranks' clients. The program
+        is then traced on global shapes (`in_avals`) and runs over every process's devices.
+      in_per_rank: with `layout`, for each tensor input, whether it holds this rank's clients.
+      out_per_rank: with `layout`, for each exported output, whether it is per-rank.
 
     Returns:
       A callable `(tensors, carried) -> (exported tensors, carried values)`.
@@ -49,6 +57,23 @@ def runner_for(
       >>> run = runner_for("cpu", jax.jit(lambda x: [x + 1]), [((3,), f32)], 1, None)
       >>> (y,), carried = run([torch.zeros(3)], [])
     """
+    if layout is not None:
+        if device_type == "xla":
+            raise NotImplementedError(
+                "bridge_mr: map_reduce across processes runs on CPU and CUDA tensors; on "
+                "torch-xla, use torch-xla's own multi-host SPMD (see the README's torch-xla "
+                "multi-host recipe)."
+            )
+        return _processes.ProcessRunner(
+            jitted,
+            in_avals,
+            n_exported,
+            layout,
+            in_per_rank,
+            out_per_rank,
+            compiler_options,
+            names,
+        )
     if device_type == "xla":
         return _xla.XlaRunner(jitted, [*in_avals, *carried_avals], n_exported, names)
     return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh, compiler_options, names)

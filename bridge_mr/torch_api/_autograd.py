@@ -84,11 +84,15 @@ class Backward:
                         spec.mesh,
                         carried_avals=traced.extra_avals,
                         compiler_options=traced.compiler_options,
+                        layout=spec.layout,
+                        in_per_rank=(False,) * len(traced.cotangent_avals),
+                        out_per_rank=tuple(spec.per_rank[i] for i in spec.diff),
                     )
         return self._runner
 
     def vjp(self) -> Callable[..., Any]:
         """The VJP (inputs, float cotangents) -> gradients as a differentiable torch function."""
+        _single_process(self._traced, "create_graph=True (or a second backward)")
         if self._vjp is None:
             with self._lock:
                 if self._vjp is None:
@@ -104,6 +108,7 @@ class Backward:
         positions = tuple(
             i for i, t in enumerate(tangents) if t is not None and is_differentiable(in_avals[i][1])
         )
+        _single_process(traced, "forward-mode AD (torch.func.jvp, dual tensors)")
         given = [tangents[i].to(primals[i].dtype) for i in positions]
         if self._jvp is None:
             with self._lock:
@@ -114,6 +119,16 @@ class Backward:
         out = iter(self._jvp(list(primals), given, positions))
         floats = frozenset(traced.outputs.float_outputs)
         return [next(out) if i in floats else None for i in range(traced.outputs.n_out)]
+
+
+def _single_process(traced: TracedCall, what: str) -> None:
+    """Raises where `what`, which recomputes from the inputs, meets a call across processes."""
+    if traced.spec.layout is not None:
+        raise NotImplementedError(
+            f"{traced.spec.name}: {what} is not supported across processes (it would rerun "
+            "the cross-process program from each rank's inputs). Use one backward per call "
+            "(loss.backward()), as with DDP, or differentiate inside the JAX function."
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,6 +258,16 @@ class TorchFunction:
             (tuple(t.shape), jax_dtype(t.dtype, where=f"{name}: {w}", xla=t.device.type == "xla"))
             for t, w in zip(tensors, where, strict=True)
         )
+        layout = _signature.layout_of(statics)
+        per_rank: tuple[bool, ...] = ()
+        if layout is not None:
+            per_rank = tuple(
+                w.removeprefix("argument ").split("[", 1)[0] in layout.per_rank for w in where
+            )
+            in_avals = tuple(
+                (layout.global_shape(shape), dtype) if p else (shape, dtype)
+                for (shape, dtype), p in zip(in_avals, per_rank, strict=True)
+            )
         for i in diff:
             if tensors[i].dtype.is_complex:
                 raise _signature.complex_grad_error(name, where[i])
@@ -270,6 +280,8 @@ class TorchFunction:
             diff=diff,
             device_type=tensors[0].device.type if tensors else "cpu",
             mesh=_signature.mesh_of(statics),
+            layout=layout,
+            per_rank=per_rank,
         )
 
     def _tensor_names(self, treedef: Any, statics: tuple[Any, ...]) -> list[str]:
@@ -288,6 +300,12 @@ class TorchFunction:
             compiler_options=traced.compiler_options,
             # Names a value the runner finds out of range (an int64 label, x64 off).
             names=[f"{spec.name}: {w}" for w in self._tensor_names(spec.treedef, spec.statics)],
+            layout=spec.layout,
+            in_per_rank=spec.per_rank,
+            out_per_rank=(
+                (False,) * traced.outputs.n_out
+                + (tuple(spec.per_rank[i] for i in spec.diff) if traced.outputs.fused else ())
+            ),
         )
         return Entry(traced, forward, Backward(traced, _derived))
 

@@ -8,6 +8,7 @@ adds `strategy="auto"`, which measures the strategies once per signature and kee
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import statistics
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import torch
 from jax.sharding import AbstractMesh, Mesh
 
-from bridge_mr import jax_core
+from bridge_mr import distributed, jax_core
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import jax_dtype
 
@@ -160,6 +161,20 @@ def map_reduce(
       >>> delta = bridge_mr.map_reduce(local_sgd, params, data, strategy="chunks", chunk_size=32)
     """
     _check_strategy(strategy, chunk_size, memory_budget_bytes)
+    if distributed.multi_process() and _holds_tensors((server, clients, weights)):
+        return _across_processes(
+            fn,
+            server,
+            clients,
+            reduce,
+            weights,
+            placement,
+            mesh,
+            check_weights,
+            strategy,
+            chunk_size,
+            memory_budget_bytes,
+        )
     check_after = None
     if weights is not None and check_weights and reduce == "weighted_mean":
         check_after = _weights.check_weights(weights)
@@ -257,6 +272,207 @@ MAP_REDUCE = _MapReduceFunction(
 _MEASURING = TorchFunction(map_reduce_jax, name="map_reduce", arg_names=_ARG_NAMES)
 
 
+# --- across processes ----------------------------------------------------------------------
+
+
+def map_reduce_processes_jax(
+    fn: ClientFn,
+    server: PyTree,
+    clients: PyTree,
+    weights: PyTree | None,
+    reduce: Reduction,
+    placement: str,
+    layout: distributed.Layout,
+    strategy: Measured = "vmap",
+    chunk_size: int | None = None,
+) -> PyTree:
+    """The round over every rank's clients, on global arrays laid out by `layout`.
+
+    Padding rows (after a rank's own clients) are copies of its last client, so `fn` stays
+    finite there; their results are masked to zero (and their weights are zero).
+    """
+
+    def run(fn: ClientFn, clients: PyTree, reduce: Reduction) -> PyTree:
+        return jax_core.map_reduce(
+            fn,
+            server,
+            clients,
+            reduce=reduce,
+            weights=weights,
+            placement=placement,
+            mesh=layout.mesh,
+            strategy=strategy,
+            chunk_size=chunk_size,
+        )
+
+    if not layout.padded:
+        return run(fn, clients, reduce)
+
+    def masked(server: PyTree, client: tuple[jax.Array, PyTree]) -> PyTree:
+        real, data = client
+        return jax.tree.map(lambda o: jnp.where(real, o, jnp.zeros_like(o)), fn(server, data))
+
+    inner: Reduction = "sum" if reduce == "mean" else reduce
+    real = jnp.asarray(layout.mask())
+    out = run(masked, (real, clients), inner)
+    if reduce != "mean":
+        return out
+    default_float = jnp.result_type(float)
+    return jax.tree.map(
+        lambda total: (
+            total / layout.total
+            if jnp.issubdtype(total.dtype, jnp.inexact)
+            else total.astype(default_float) / layout.total
+        ),
+        out,
+    )
+
+
+_PROCESS_ARG_NAMES = (*_ARG_NAMES[:6], "layout", *_ARG_NAMES[7:])
+MAP_REDUCE_PROCESSES = _MapReduceFunction(
+    map_reduce_processes_jax, name="map_reduce", arg_names=_PROCESS_ARG_NAMES
+)
+_MEASURING_PROCESSES = TorchFunction(
+    map_reduce_processes_jax, name="map_reduce", arg_names=_PROCESS_ARG_NAMES
+)
+
+
+def _holds_tensors(tree: PyTree) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in jax.tree.leaves(tree))
+
+
+def _across_processes(
+    fn: ClientFn,
+    server: PyTree,
+    clients: PyTree,
+    reduce: Reduction,
+    weights: PyTree | None,
+    placement: str,
+    mesh: Mesh | AbstractMesh | None,
+    check_weights: bool,
+    strategy: Strategy,
+    chunk_size: int | None,
+    memory_budget_bytes: int | None,
+) -> PyTree:
+    """`map_reduce` over the union of every rank's clients (this rank passes its own)."""
+    if mesh is not None:
+        raise ValueError(
+            "map_reduce(mesh=...): across processes, map_reduce shards the clients over every "
+            "process's devices itself (one mesh of all of jax.devices()); got a mesh of "
+            f"{getattr(mesh, 'size', '?')} devices. Drop mesh=."
+        )
+    count = _local_count(clients, weights)
+    if weights is not None and check_weights and reduce == "weighted_mean":
+        check_after = _weights.check_weights(weights)
+        if check_after is not None:
+            check_after()
+    process = distributed.current()
+    checking = process is not None and process.check_replicas
+    server_leaves = jax.tree_util.tree_flatten_with_path(server)[0]
+    server_tensors = [(p, t) for p, t in server_leaves if isinstance(t, torch.Tensor)]
+    counts = distributed.agree(
+        count,
+        _process_signature(fn, server, clients, weights, reduce, placement, strategy, chunk_size),
+        [_tensor_hash(t) for _, t in server_tensors] if checking else None,
+        [f"server{jax.tree_util.keystr(p)}" for p, _ in server_tensors],
+        where="map_reduce",
+    )
+    layout = distributed.Layout(
+        counts, distributed.slot_for(counts), jax.process_index(), placement
+    )
+    clients = _pad_rows(clients, count, layout.slot, repeat_last=True)
+    if weights is not None:
+        weights = _pad_rows(weights, count, layout.slot, repeat_last=False)
+    args = (fn, server, clients, weights, reduce, placement, layout)
+    if strategy == "auto":
+        return MAP_REDUCE_PROCESSES(*args, *_auto(args, memory_budget_bytes, _PROCESSES))
+    return MAP_REDUCE_PROCESSES(*args, strategy, chunk_size)
+
+
+def _local_count(clients: PyTree, weights: PyTree | None) -> int:
+    """This rank's client count: the leading dimension every client tensor shares."""
+    leaves = jax.tree_util.tree_flatten_with_path(clients)[0]
+    if not leaves:
+        raise ValueError("map_reduce(clients=...): expected at least one client tensor; got none.")
+    dims: dict[str, int | None] = {}
+    for path, leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"map_reduce: across processes, clients{jax.tree_util.keystr(path)} must be a "
+                f"torch tensor (this rank's clients along its first axis); got "
+                f"{type(leaf).__name__}. Pass torch tensors, or global JAX arrays (then pass "
+                "JAX arrays only)."
+            )
+        dims[f"clients{jax.tree_util.keystr(path)}"] = int(leaf.shape[0]) if leaf.ndim else None
+    if len(set(dims.values())) > 1 or None in dims.values():
+        shown = ", ".join(f"{k}: {v if v is not None else '0-d'}" for k, v in dims.items())
+        raise ValueError(
+            f"map_reduce: the client tensors of this rank disagree on their client count (the "
+            f"leading dimension): {shown}. Every client tensor needs the same leading dimension."
+        )
+    count = next(iter(dims.values()))
+    assert count is not None
+    return count
+
+
+def _pad_rows(tree: PyTree, count: int, slot: int, *, repeat_last: bool) -> PyTree:
+    """Each tensor with rows up to `slot`: copies of its last row (clients) or zeros (weights).
+
+    Differentiable torch ops, so the gradients of the padded tensors reach the given ones.
+    """
+    if slot == count:
+        return tree
+
+    def pad(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+            return leaf
+        extra = (slot - count, *leaf.shape[1:])
+        rows = leaf[-1:].expand(extra) if repeat_last else leaf.new_zeros(extra)
+        return torch.cat([leaf, rows])
+
+    return jax.tree.map(pad, tree)
+
+
+def _process_signature(
+    fn: Any,
+    server: PyTree,
+    clients: PyTree,
+    weights: PyTree | None,
+    reduce: str,
+    placement: str,
+    strategy: str,
+    chunk_size: int | None,
+) -> str:
+    """The call in words, the same on every rank that runs the same program."""
+
+    def avals(tree: PyTree, *, rows: bool) -> str:
+        parts = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, torch.Tensor):
+                shape = list(leaf.shape[1:] if rows else leaf.shape)
+                grad = "*" if leaf.requires_grad and torch.is_grad_enabled() else ""
+                dtype = str(leaf.dtype).removeprefix("torch.")
+                parts.append(f"{jax.tree_util.keystr(path)}:{dtype}{shape}{grad}")
+            else:
+                parts.append(f"{jax.tree_util.keystr(path)}={leaf!r}")
+        return "{" + ", ".join(parts) + "}"
+
+    code = getattr(fn, "__code__", None)
+    where = f" at {os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else ""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return (
+        f"{name}{where} reduce={reduce} strategy={strategy} chunk_size={chunk_size} "
+        f"placement={placement} server={avals(server, rows=False)} "
+        f"clients={avals(clients, rows=True)} weights={avals(weights, rows=True)}"
+    )
+
+
+def _tensor_hash(tensor: torch.Tensor) -> bytes:
+    """A hash of the tensor's bytes (for the replica check)."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=8).digest()
+
+
 # --- strategy="auto" ------------------------------------------------------------------------
 
 
@@ -337,8 +553,43 @@ def map_reduce_choices() -> list[Choice]:
         return list(_CHOICES.by_key.values())
 
 
-def _auto(args: tuple[Any, ...], budget: int | None) -> tuple[Measured, int | None]:
+@dataclasses.dataclass(frozen=True)
+class _Round:
+    """How `auto` runs and measures one kind of round (in one process, or across several).
+
+    Across processes every rank measures the same candidates in the same order, and every
+    timing and budget is agreed (the slowest rank's time, the smallest budget) before it
+    decides anything: the ranks pick alike and run the same programs.
+    """
+
+    keeping: TorchFunction  # Runs vmap and keeps its program for later calls.
+    measuring: TorchFunction  # Runs the other candidates; cleared once they are timed.
+    program: Callable[..., PyTree]  # The JAX round, for XLA's memory estimates.
+    agree_seconds: Callable[[float], float]
+    agree_budget: Callable[[int], int]
+    across_processes: bool = False
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+_ONE_PROCESS = _Round(MAP_REDUCE, _MEASURING, map_reduce_jax, _same, _same)
+_PROCESSES = _Round(
+    MAP_REDUCE_PROCESSES,
+    _MEASURING_PROCESSES,
+    map_reduce_processes_jax,
+    distributed.agree_seconds,
+    distributed.agree_minimum,
+    across_processes=True,
+)
+
+
+def _auto(
+    args: tuple[Any, ...], budget: int | None, round_: _Round | None = None
+) -> tuple[Measured, int | None]:
     """The (strategy, chunk_size) for a call with `strategy="auto"`: cached, else measured."""
+    round_ = _ONE_PROCESS if round_ is None else round_
     if torch.compiler.is_compiling():  # Dynamo would trace the lookup and the measuring.
         return "vmap", None
     # Unflattenable arguments or unhashable statics: MAP_REDUCE's call says which, and the fix.
@@ -355,7 +606,7 @@ def _auto(args: tuple[Any, ...], budget: int | None) -> tuple[Measured, int | No
     with _CHOICES.lock:
         choice = _CHOICES.by_key.get(key)
         if choice is None:
-            choice = _measure(args, tensors, budget)
+            choice = _measure(args, tensors, budget, round_)
             if len(_CHOICES.by_key) >= _MAX_CHOICES:
                 del _CHOICES.by_key[next(iter(_CHOICES.by_key))]
             _CHOICES.by_key[key] = choice
@@ -369,19 +620,25 @@ def _measurable(tensors: Sequence[torch.Tensor]) -> bool:
     return not (torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active())
 
 
-def _measure(args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int | None) -> Choice:
+def _measure(
+    args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int | None, round_: _Round
+) -> Choice:
     started = time.perf_counter()
     fn, server, clients, _, reduce, placement, mesh = args
+    if round_.across_processes:
+        mesh = None  # The layout: the program's own mesh has an Auto placement axis.
     n = _client_count_of(clients)
     grads = [t for t in tensors if torch.is_grad_enabled() and t.requires_grad]
     plans: list[tuple[Measured, int | None]] = [("vmap", None)]
     if not _explicit_placement(placement, mesh):  # Which only vmap supports.
         plans += [("per_client", None), *(("chunks", k) for k in AUTO_CHUNK_SIZES if k < n)]
-    estimates = {plans[0]: _memory_estimate(args, "vmap", None, bool(grads))}
+    estimates = {plans[0]: _memory_estimate(round_, args, "vmap", None, bool(grads))}
     if budget is None:
-        budget = _default_budget(tensors[0].device)
+        budget = round_.agree_budget(_default_budget(tensors[0].device))
         if (estimates[plans[0]] or 0) > AUTO_MEMORY_FLOOR:  # Else no candidate is cut.
-            estimates.update({p: _memory_estimate(args, *p, bool(grads)) for p in plans[1:]})
+            estimates.update(
+                {p: _memory_estimate(round_, args, *p, bool(grads)) for p in plans[1:]}
+            )
             leanest = min((m for m in estimates.values() if m is not None), default=None)
             if leanest is not None:
                 cap = max(AUTO_MEMORY_FACTOR * leanest, AUTO_MEMORY_FLOOR)
@@ -398,14 +655,14 @@ def _measure(args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int
                 continue
             if (strategy, chunk_size) not in estimates:
                 estimates[strategy, chunk_size] = _memory_estimate(
-                    args, strategy, chunk_size, bool(grads)
+                    round_, args, strategy, chunk_size, bool(grads)
                 )
             memory = estimates[strategy, chunk_size]
             if memory is not None and memory > budget:
                 entries.append((strategy, chunk_size, memory, "over the memory budget", None))
                 continue
             # vmap, the usual choice, runs in MAP_REDUCE, which keeps its program for later.
-            runner = MAP_REDUCE if strategy == "vmap" else _MEASURING
+            runner = round_.keeping if strategy == "vmap" else round_.measuring
 
             def call(
                 runner: TorchFunction = runner,
@@ -415,16 +672,16 @@ def _measure(args: tuple[Any, ...], tensors: Sequence[torch.Tensor], budget: int
                 _backward(runner(*args, strategy, chunk_size), grads)
 
             call()  # Untimed: traces and compiles.
-            times[len(entries)] = [_timed(call, cuda)]
+            times[len(entries)] = [round_.agree_seconds(_timed(call, cuda))]
             entries.append((strategy, chunk_size, memory, "", call))
         best = min((t[0] for t in times.values()), default=0.0)
         for i, timed in times.items():
             again = entries[i][4]
             assert again is not None  # Timed, so callable.
             while len(timed) < AUTO_REPEATS and timed[-1] <= AUTO_GIVE_UP * best:
-                timed.append(_timed(again, cuda))
+                timed.append(round_.agree_seconds(_timed(again, cuda)))
     finally:
-        _MEASURING.clear_cache()
+        round_.measuring.clear_cache()
     candidates = [
         Candidate(strategy, chunk_size, memory, None, skipped)
         if i not in times
@@ -495,20 +752,26 @@ def _timed(call: Callable[[], None], cuda: torch.device | None) -> float:
 
 
 def _memory_estimate(
-    args: tuple[Any, ...], strategy: Measured, chunk_size: int | None, grads: bool
+    round_: _Round, args: tuple[Any, ...], strategy: Measured, chunk_size: int | None, grads: bool
 ) -> int | None:
     """XLA's estimate of the bytes a candidate needs, or None where the backend has none."""
     fn, server, clients, weights, reduce, placement, mesh = args
 
-    def as_spec(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return jax.ShapeDtypeStruct(
-                tuple(leaf.shape), jax_dtype(leaf.dtype, where="map_reduce")
-            )
-        return leaf
+    def as_spec(leaf: Any, per_rank: bool) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        shape, dtype = tuple(leaf.shape), jax_dtype(leaf.dtype, where="map_reduce")
+        if not isinstance(mesh, distributed.Layout):
+            return jax.ShapeDtypeStruct(shape, dtype)
+        spec = jax.sharding.PartitionSpec(placement) if per_rank else jax.sharding.PartitionSpec()
+        return jax.ShapeDtypeStruct(
+            mesh.global_shape(shape) if per_rank else shape,
+            dtype,
+            sharding=jax.sharding.NamedSharding(mesh.mesh, spec),
+        )
 
     def forward(server: PyTree, clients: PyTree, weights: PyTree) -> PyTree:
-        return map_reduce_jax(
+        return round_.program(
             fn, server, clients, weights, reduce, placement, mesh, strategy, chunk_size
         )
 
@@ -523,7 +786,10 @@ def _memory_estimate(
             server, clients, weights
         )
 
-    specs = jax.tree.map(as_spec, (server, clients, weights))
+    specs = (
+        jax.tree.map(lambda leaf: as_spec(leaf, False), server),
+        *(jax.tree.map(lambda leaf: as_spec(leaf, True), tree) for tree in (clients, weights)),
+    )
     try:
         stats = jax.jit(with_grads if grads else forward).lower(*specs).compile().memory_analysis()
     except Exception:  # Bad arguments: the timed call raises again, with the bridge's message.

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh
 
-from bridge_mr import jax_core
+from bridge_mr import distributed, jax_core
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch as torch_compat
 
@@ -72,6 +72,14 @@ def function_identities(key: tuple[Any, ...]) -> list[FunctionIdentity]:
 def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:
     """A call's leaves with each tensor replaced by `TENSOR`."""
     return tuple(TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+
+
+def layout_of(static_leaves: Sequence[Any]) -> distributed.Layout | None:
+    """The cross-process layout a call runs with (a `Layout` argument), or None."""
+    for leaf in static_leaves:
+        if isinstance(leaf, distributed.Layout):
+            return leaf
+    return None
 
 
 def mesh_of(static_leaves: Sequence[Any]) -> Mesh | None:

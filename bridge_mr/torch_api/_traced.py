@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from bridge_mr import jax_core, runners
+from bridge_mr import distributed, jax_core, runners
 from bridge_mr._dtypes import Aval, is_differentiable, torch_dtype
 
 from ._signature import TENSOR
@@ -59,7 +59,9 @@ class CallSpec:
     """Everything about one call signature known before tracing.
 
     `statics` are the call's flattened leaves with `TENSOR` where a tensor sat; `diff` the
-    indices (among the tensors) of those that need gradients.
+    indices (among the tensors) of those that need gradients. Across processes, `layout` is
+    the agreed layout of the ranks' clients, `in_avals` are global shapes, and `per_rank` says
+    which tensors hold this rank's clients (one flag per tensor).
     """
 
     fn: Callable[..., PyTree]
@@ -70,6 +72,8 @@ class CallSpec:
     diff: tuple[int, ...]
     device_type: str
     mesh: Mesh | None
+    layout: distributed.Layout | None = None
+    per_rank: tuple[bool, ...] = ()
 
     @functools.cached_property
     def tensor_positions(self) -> tuple[int, ...]:

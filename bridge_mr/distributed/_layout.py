@@ -1,0 +1,226 @@
+"""One program over every process's clients: the layout of per-rank data in global arrays.
+
+Each rank holds its own clients. `agree` exchanges, in one small collective, what every rank is
+about to run (its client count and a fingerprint of the call) and refuses a mismatch on every
+rank alike, before the program's own collectives could deadlock on it. The agreed `Layout`
+places rank r's clients at rows [r * slot, r * slot + counts[r]) of the global clients axis
+(`slot` is the largest count, rounded up to a multiple of the process's device count); the rows
+after a rank's own clients are padding, which the program masks out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "Layout",
+    "agree",
+    "agree_minimum",
+    "agree_seconds",
+    "constrain",
+    "global_array",
+    "local_part",
+    "multi_process",
+    "slot_for",
+]
+
+# The exchanged facts: [count, replica check on, signature hash (2), replica hash (2)], then
+# the call's description (UTF-8, for the error that names what each rank ran).
+_HEAD = 6
+_DESCRIPTION_BYTES = 384
+
+
+def multi_process() -> bool:
+    """Whether this process is one of several `jax.distributed` processes."""
+    return jax.process_count() > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each rank's clients sit on the global clients axis (a static, hashable value).
+
+    Attributes:
+      counts: every rank's client count, by rank.
+      slot: the rows each rank holds (its count, padded; a multiple of its device count).
+      rank: this process's rank.
+      placement: the name of the clients axis (of the global mesh).
+      per_rank: the names of the call's arguments whose tensors are this rank's own (their
+        leading axis is the clients axis); the other tensors are the same on every rank.
+    """
+
+    counts: tuple[int, ...]
+    slot: int
+    rank: int
+    placement: str = "clients"
+    per_rank: tuple[str, ...] = ("clients", "weights")
+
+    @property
+    def world_size(self) -> int:
+        """How many processes."""
+        return len(self.counts)
+
+    @property
+    def total(self) -> int:
+        """The number of real clients over every rank."""
+        return sum(self.counts)
+
+    @property
+    def padded(self) -> bool:
+        """Whether some rank holds padding rows."""
+        return any(c != self.slot for c in self.counts)
+
+    def mask(self) -> np.ndarray:
+        """[world_size * slot] bools: True at real clients, False at padding."""
+        return np.concatenate([np.arange(self.slot) < c for c in self.counts])
+
+    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        """The global shape of a per-rank array whose local shape is `local_shape`."""
+        return (self.world_size * self.slot, *local_shape[1:])
+
+    @property
+    def mesh(self) -> Mesh:
+        """Every process's devices, rank by rank, along one Auto axis named `placement`."""
+        return _global_mesh(self.placement)
+
+
+@functools.cache
+def _global_mesh(placement: str) -> Mesh:
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices), (placement,), axis_types=(AxisType.Auto,))
+
+
+def slot_for(counts: Sequence[int]) -> int:
+    """The rows per rank for these counts: the largest, up to a multiple of the local devices."""
+    local = jax.local_device_count()
+    return math.ceil(max(counts) / local) * local
+
+
+def agree(
+    count: int,
+    signature: str,
+    replica_hashes: Sequence[bytes] | None,
+    replica_names: Sequence[str],
+    *,
+    where: str,
+) -> tuple[int, ...]:
+    """Exchanges this rank's facts with every other rank; returns every rank's client count.
+
+    Every rank must call it at the same point (each `map_reduce` call does, once). Every rank
+    raises the same error when the ranks disagree, so none is left waiting in a collective.
+
+    Args:
+      count: this rank's client count.
+      signature: the call as this rank sees it (function, shapes, dtypes, options), in words:
+        ranks whose signatures differ would run different programs.
+      replica_hashes: with the replica check on, a hash of each tensor that every rank must
+        hold equal (the server's); None with it off.
+      replica_names: what errors call those tensors.
+      where: the caller, for error messages ("map_reduce").
+
+    Raises:
+      RuntimeError: the ranks run different calls, hold different replicas (with the check
+        on), or some rank has no clients.
+    """
+    digest = hashlib.blake2b(signature.encode(), digest_size=8).digest()
+    combined = hashlib.blake2b(b"".join(replica_hashes or ()), digest_size=8).digest()
+    description = signature.encode()[:_DESCRIPTION_BYTES].ljust(_DESCRIPTION_BYTES, b"\0")
+    head = np.array(
+        [count, replica_hashes is not None, *_words(digest), *_words(combined)], np.int32
+    )
+    facts = np.concatenate([head, np.frombuffer(description, np.uint8).astype(np.int32)])
+    table = np.asarray(multihost_utils.process_allgather(facts)).reshape(-1, facts.size)
+    signatures = [bytes(row[_HEAD:].astype(np.uint8)).rstrip(b"\0").decode() for row in table]
+    if len({tuple(row[2:4]) for row in table}) > 1:
+        lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(signatures))
+        raise RuntimeError(
+            f"{where}: the ranks called it with different programs or signatures, so they "
+            f"cannot run one program together:\n{lines}\nFix: every rank must call it with the "
+            f"same function, server tensors (shapes, dtypes, requires_grad), client tensors "
+            f"(shapes after the clients axis) and options, in the same order."
+        )
+    counts = tuple(int(c) for c in table[:, 0])
+    if min(counts) < 1:
+        raise RuntimeError(
+            f"{where}: every rank needs at least one client; the client counts by rank are "
+            f"{list(counts)}. Fix: give each rank some clients (or run fewer processes)."
+        )
+    checks = {bool(c) for c in table[:, 1]}
+    if checks == {True} and len({tuple(row[4:6]) for row in table}) > 1:
+        _name_differing_replicas(replica_hashes or (), replica_names, where)
+    return counts
+
+
+def _name_differing_replicas(hashes: Sequence[bytes], names: Sequence[str], where: str) -> None:
+    mine = np.array([_words(h[:8]) for h in hashes], np.int32).reshape(-1, 2)
+    table = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, *mine.shape)
+    differing = []
+    for i, name in enumerate(names):
+        others = [r for r in range(len(table)) if (table[r, i] != table[0, i]).any()]
+        if others:
+            differing.append(f"{name} differs from rank 0's on rank(s) {others}")
+    raise RuntimeError(
+        f"{where}: server tensors differ between ranks (bridge_mr.distributed.initialize("
+        f"check_replicas=True)): {'; '.join(differing)}. Every rank must hold the same server "
+        f"values, as with DDP: initialise the model from the same seed (or broadcast rank 0's "
+        f"parameters once), and step it only with the gradients map_reduce returns."
+    )
+
+
+def agree_seconds(seconds: float) -> float:
+    """The longest of every rank's `seconds` (a timing all ranks then decide on alike)."""
+    table = multihost_utils.process_allgather(np.array([seconds], np.float64))
+    return float(np.max(np.asarray(table)))
+
+
+def agree_minimum(value: int) -> int:
+    """The smallest of every rank's `value`."""
+    table = multihost_utils.process_allgather(np.array([value], np.int64))
+    return int(np.min(np.asarray(table)))
+
+
+def _words(digest: bytes) -> list[int]:
+    return np.frombuffer(digest[:8], np.int32).tolist()
+
+
+def global_array(local: jax.Array | np.ndarray, layout: Layout, *, per_rank: bool) -> jax.Array:
+    """The global array of this rank's `local` part: its clients' rows, or its replica.
+
+    Per-rank arrays are sharded over every process's devices along the clients axis; the
+    others are replicated (every rank's copy must be equal).
+    """
+    mesh = layout.mesh
+    if per_rank:
+        sharding = NamedSharding(mesh, P(layout.placement))
+        shape = layout.global_shape(local.shape)
+    else:
+        sharding = NamedSharding(mesh, P())
+        shape = tuple(local.shape)
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+def constrain(array: jax.Array, layout: Layout, *, per_rank: bool) -> jax.Array:
+    """Inside a program: `array` sharded along the clients axis (per-rank) or replicated."""
+    spec = P(layout.placement) if per_rank else P()
+    return jax.lax.with_sharding_constraint(array, NamedSharding(layout.mesh, spec))
+
+
+def local_part(array: jax.Array, *, per_rank: bool) -> jax.Array:
+    """This process's part of a global array: its rows (per-rank) or one replica."""
+    if not per_rank:
+        return array.addressable_data(0)
+    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+    if len(shards) == 1:
+        return shards[0].data
+    first = shards[0].data.device
+    return jnp.concatenate([jax.device_put(s.data, first) for s in shards])
