@@ -8,8 +8,8 @@
 | top level | `jax_core`, `_flags`; `dlpack`, `torch_api`, `torch_fn`, `distributed` lazily | jax |
 | `_dtypes` | `_compat` | jax, torch |
 | `dlpack` | `_compat`, `_dtypes` | jax, torch |
-| `runners` | `dlpack`, `jax_core`, `_compat`, `_dtypes` | jax, torch (torch_xla lazily) |
-| `torch_api` | `jax_core`, `dlpack`, `runners`, `_compat`, `_dtypes` | jax, torch |
+| `runners` | `dlpack`, `jax_core`, `distributed`, `_compat`, `_dtypes` | jax, torch (torch_xla lazily) |
+| `torch_api` | `jax_core`, `dlpack`, `runners`, `distributed`, `_compat`, `_dtypes` | jax, torch |
 | `torch_fn` (`from_torch`) | `_compat` | jax, torch (torchax on first call) |
 | `distributed` | nothing | jax (no torch) |
 | `algorithms` | public names of `torch_api` and `jax_core` only | jax, torch (optax) |
@@ -70,8 +70,10 @@ LAYERS: dict[str, Layer] = {
     ),
     "_dtypes": Layer(frozenset({"_compat"})),
     "dlpack": Layer(frozenset({"_compat", "_dtypes"})),
-    "runners": Layer(frozenset({"dlpack", "jax_core", "_compat", "_dtypes"})),
-    "torch_api": Layer(frozenset({"jax_core", "dlpack", "runners", "_compat", "_dtypes"})),
+    "runners": Layer(frozenset({"dlpack", "jax_core", "distributed", "_compat", "_dtypes"})),
+    "torch_api": Layer(
+        frozenset({"jax_core", "dlpack", "runners", "distributed", "_compat", "_dtypes"})
+    ),
     "torch_fn": Layer(frozenset({"_compat"})),
     "distributed": Layer(frozenset()),
     "algorithms": Layer(frozenset({"jax_core", "torch_api"}), public_only=True),
