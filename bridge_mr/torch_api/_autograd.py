@@ -85,8 +85,10 @@ class Backward:
                         carried_avals=traced.extra_avals,
                         compiler_options=traced.compiler_options,
                         layout=spec.layout,
-                        in_per_rank=(False,) * len(traced.cotangent_avals),
-                        out_per_rank=tuple(spec.per_rank[i] for i in spec.diff),
+                        in_per_rank=(False,) * len(traced.cotangent_avals) if spec.layout else (),
+                        out_per_rank=tuple(spec.per_rank[i] for i in spec.diff)
+                        if spec.layout
+                        else (),
                     )
         return self._runner
 

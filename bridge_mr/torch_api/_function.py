@@ -305,6 +305,8 @@ class TorchFunction:
             out_per_rank=(
                 (False,) * traced.outputs.n_out
                 + (tuple(spec.per_rank[i] for i in spec.diff) if traced.outputs.fused else ())
+                if spec.layout is not None
+                else ()
             ),
         )
         return Entry(traced, forward, Backward(traced, _derived))
