@@ -31,17 +31,45 @@ Each client's inner-optimizer state starts fresh every round (only parameters ar
 and `mesh=` pass through to `bridge_mr.map_reduce`. `mean_delta` is the same round without
 the `.grad` write, differentiable with respect to the parameters and to `hparams` (pass an
 optimizer factory such as `lambda lr: optax.sgd(lr)` to `local_training`).
+
+Client sampling and DP-FedAvg (user-level differential privacy)::
+
+    sampler = alg.ClientSampler(num_clients, probability=q, generator=0)  # seed or Generator
+    noise = torch.Generator().manual_seed(1)  # the DP noise's source: yours, never global
+    accountant = alg.PrivacyAccountant(noise_multiplier=z, sampling_probability=q)
+    for _ in range(rounds):
+        cohort = sampler.sample()  # Poisson: the size varies, padded to a power of two
+        metrics = alg.dp_outer_step(local, params, cohort.gather(all_batches),
+                                    mask=cohort.weights(), clip_norm=C, noise_multiplier=z,
+                                    expected_clients=sampler.expected_cohort_size,
+                                    generator=noise)
+        server_opt.step()
+        server_opt.zero_grad()
+        accountant.step()
+    print(accountant.epsilon(delta=1e-5))  # by dp-accounting's RDP (or PLD) accountant
+
+`dp_outer_step` clips each client's whole delta to L2 norm C, sums, adds N(0, (zC)^2) noise
+once to the sum and divides by the expected cohort size. Without DP, `outer_step(...,
+weights=cohort.weights(example_counts))` gives padding rows weight 0.
 """
 
+from ._dp import PrivacyAccountant as PrivacyAccountant
+from ._dp import dp_outer_step as dp_outer_step
 from ._local import LocalTraining as LocalTraining
 from ._local import local_training as local_training
 from ._rounds import mean_delta as mean_delta
 from ._rounds import outer_step as outer_step
+from ._sampling import ClientSampler as ClientSampler
+from ._sampling import Cohort as Cohort
 from ._yogi import Yogi as Yogi
 
 __all__ = [
+    "ClientSampler",
+    "Cohort",
     "LocalTraining",
+    "PrivacyAccountant",
     "Yogi",
+    "dp_outer_step",
     "local_training",
     "mean_delta",
     "outer_step",

@@ -59,7 +59,7 @@ def mean_delta(
 
         delta, metrics = alg.mean_delta(local, dict(model.named_parameters()), batches)
     """
-    server = _server(local, params, client_batches, hparams, "mean_delta")
+    server = round_server(local, params, client_batches, hparams, "mean_delta")
     result = map_reduce(
         local,
         server,
@@ -131,7 +131,7 @@ def set_pseudo_gradient(params: Params, update: Mapping[str, torch.Tensor]) -> N
         p.grad = (-update[name].detach()).to(dtype=p.dtype, device=p.device)
 
 
-def _server(
+def round_server(
     local: Any, params: Any, client_batches: PyTree, hparams: PyTree | None, caller: str
 ) -> PyTree:
     """The server value `local` takes, after checking the arguments."""
