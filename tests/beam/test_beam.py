@@ -1,0 +1,364 @@
+"""bridge_mr.beam: programs run as Beam pipelines equal jax.jit of the same programs."""
+
+from __future__ import annotations
+
+import pickle
+import textwrap
+
+import apache_beam as beam
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from apache_beam.testing.util import assert_that
+from helpers.child import run_python
+
+import bridge_mr
+import bridge_mr.beam as bb
+from bridge_mr import jax_core as mr
+
+F32 = np.float32
+DIM, EXAMPLES = 3, 4
+
+
+def local_steps(params, data):
+    """client_work with local gradient steps: 3 SGD steps of a linear least-squares loss."""
+
+    def loss(p):
+        return jnp.mean((data["x"] @ p["w"] + p["b"] - data["y"]) ** 2)
+
+    def step(p, _):
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p)), loss(p)
+
+    new, losses = jax.lax.scan(step, params, None, length=3)
+    return jax.tree.map(jnp.subtract, new, params), losses[-1]
+
+
+def fedavg_round(server, data, weight):
+    """A weighted FedAvg round: several pytrees out (the new server and the mean loss)."""
+    deltas, losses = mr.map_fn(local_steps, (mr.broadcast(server), data))
+    update = mr.reduce_weighted_mean(deltas, weight)
+    return jax.tree.map(jnp.add, server, update), mr.reduce_mean(losses)
+
+
+def fedavg_unweighted(server, data, weight):
+    del weight  # Unused: the plain mean.
+    deltas, _ = mr.map_fn(local_steps, (mr.broadcast(server), data))
+    return jax.tree.map(jnp.add, server, mr.reduce_mean(deltas))
+
+
+def server0():
+    return {"w": np.linspace(-1, 1, DIM).astype(F32), "b": F32(0.25)}
+
+
+def records(count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            {
+                "x": rng.normal(size=(EXAMPLES, DIM)).astype(F32),
+                "y": rng.normal(size=EXAMPLES).astype(F32),
+            },
+            F32(rng.uniform(0.5, 2.0)),
+        )
+        for _ in range(count)
+    ]
+
+
+def jit_of(fn, server, recs, *more):
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *recs)
+    return jax.jit(mr.program(clients=len(recs))(fn))(server, *more, *stacked)
+
+
+def assert_close(got, expected, tol=2e-5):
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+# --- equal to jit -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [fedavg_round, fedavg_unweighted], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("count", [1, 16])
+def test_a_round_equals_jit(fn, count):
+    recs = records(count)
+    assert_close(bb.run(fn, (server0(),), recs, bundle_size=5), jit_of(fn, server0(), recs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", [fedavg_round, fedavg_unweighted], ids=["weighted", "unweighted"])
+def test_a_round_of_300_clients_equals_jit(fn):
+    recs = records(317)
+    assert_close(bb.run(fn, (server0(),), recs, bundle_size=64), jit_of(fn, server0(), recs))
+
+
+def test_three_consecutive_fedavg_rounds_equal_jit():
+    server_beam = server_jit = server0()
+    for r in range(3):
+        recs = records(16, seed=r)
+        server_beam, _ = bb.run(fedavg_round, (server_beam,), recs)
+        server_jit, _ = jit_of(fedavg_round, server_jit, recs)
+    assert_close(server_beam, server_jit, tol=1e-4)
+
+
+def meta_gradient(server, data, weight):
+    """The gradient of the post-round loss through the whole round (local steps included)."""
+
+    def after_round(s):
+        new, _ = fedavg_round(s, data, weight)
+        losses = mr.map_fn(
+            lambda p, d: jnp.mean((d["x"] @ p["w"] + p["b"] - d["y"]) ** 2),
+            (mr.broadcast(new), data),
+        )
+        return mr.reduce_weighted_mean(losses, weight)
+
+    return jax.value_and_grad(after_round)(server)
+
+
+def test_a_gradient_through_map_and_reduce_equals_jit():
+    recs = records(16)
+    got = bb.run(meta_gradient, (server0(),), recs, bundle_size=6)
+    assert_close(got, jit_of(meta_gradient, server0(), recs), tol=1e-4)
+    assert bb.split(meta_gradient, (server0(),), recs[0]).num_rounds >= 2
+
+
+def two_rounds(server, data, weight):
+    """A broadcast of a value computed after a reduction: two rounds of map/reduce."""
+    mean_x = mr.reduce_mean(data["x"])
+    spread = mr.map_fn(lambda x, m: jnp.sum((x - m) ** 2), (data["x"], mr.broadcast(mean_x)))
+    return {"mean": mean_x, "spread": mr.reduce_weighted_mean(spread, weight) * server["b"]}
+
+
+def sums_over_the_client_axis(server, data, weight):
+    """reduce_sum and a contraction over the client axis written with jnp: sums over clients."""
+    centered = data["x"] - jnp.mean(data["x"], axis=0)
+    return jnp.sum(centered**2), jnp.einsum("c,cij->ij", weight, data["x"]) + server["w"]
+
+
+@pytest.mark.parametrize("fn", [two_rounds, sums_over_the_client_axis])
+def test_multi_round_programs_equal_jit(fn):
+    recs = records(16)
+    assert_close(bb.run(fn, (server0(),), recs, bundle_size=7), jit_of(fn, server0(), recs))
+
+
+def test_the_plan_has_the_phases_of_distribute_aggregate_form():
+    plan = bb.split(two_rounds, (server0(),), records(1)[0])
+    assert [s.name for s in plan.segments] == [
+        "server_0",
+        "client_0",
+        "server_1",
+        "client_1",
+        "server_2",
+    ]
+    # sum(weight) needs no broadcast: it is aggregated in round 0, with the mean.
+    assert [[r.kind for r in rs] for rs in plan.reductions] == [["mean", "sum"], ["sum"]]
+
+
+def test_interpret_runs_the_plan_in_any_bundling():
+    recs = records(7)
+    plan = bb.split(fedavg_round, (server0(),), recs[0])
+    expected = jit_of(fedavg_round, server0(), recs)
+    for sizes in ([7], [1] * 7, [3, 4], [2, 1, 4]):
+        assert_close(bb.interpret(plan, (server0(),), recs, bundle_sizes=sizes), expected)
+
+
+# --- the PTransform form ----------------------------------------------------------------------
+
+
+def test_the_transform_composes_into_a_users_pipeline_and_run_takes_a_pcollection():
+    recs = records(12)
+    expected = jit_of(fedavg_round, server0(), recs)
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), recs[0])
+
+    def matches(results):  # Runs inside the pipeline.
+        assert len(results) == 1
+        assert_close(results[0], expected)
+
+    with beam.Pipeline(runner=bb.DEFAULT_RUNNER) as p:
+        result = (
+            p | beam.Create(recs) | bb.MapReduce(fedavg_round, (server0(),), spec, bundle_size=5)
+        )
+        assert_that(result, matches)
+    pipeline = beam.Pipeline(runner=bb.DEFAULT_RUNNER)
+    pcoll = pipeline | beam.Create(recs)
+    assert_close(bb.run(fedavg_round, (server0(),), pcoll, record_spec=spec), expected)
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+def one_client(server, data, weight):
+    return mr.reduce_sum(data["x"][0] + data["x"])
+
+
+def cumsum_over_clients(server, data, weight):
+    return mr.reduce_sum(jnp.cumsum(data["x"], axis=0))
+
+
+def sort_over_clients(server, data, weight):
+    return mr.reduce_sum(jnp.sort(weight))
+
+
+def client_index(server, data, weight):
+    index = jnp.arange(weight.shape[0], dtype=jnp.float32)
+    return mr.reduce_sum(weight * index)
+
+
+def pairwise_matmul(server, data, weight):
+    return jnp.sum(jnp.einsum("cij,dij->cd", data["x"], data["x"]))
+
+
+def placed_result(server, data, weight):
+    return mr.map_fn(lambda w: w * 2, weight)
+
+
+def rounds_in_a_scan(server, data, weight):
+    def round_(s, _):
+        return s + mr.reduce_mean(mr.map_fn(lambda p, w: p * w, (mr.broadcast(s), weight))), None
+
+    return jax.lax.scan(round_, server["b"], None, length=2)[0]
+
+
+@pytest.mark.parametrize(
+    ("fn", "match"),
+    [
+        (one_client, r"dynamic_slice.*selects or mixes clients outside a reduction"),
+        (cumsum_over_clients, r"cumsum\[axis=0.* is a cumsum over the client axis"),
+        (sort_over_clients, r"sort\[dimension=0.* sorts along the client axis"),
+        (client_index, r"iota\[.* reads the client index"),
+        (pairwise_matmul, r"float32\[n,n\].*pairs every client with every other"),
+        (placed_result, r"result is a placed value \(float32\[n\]\)"),
+        (rounds_in_a_scan, r"placed_broadcast.* is a broadcast inside a scan"),
+    ],
+)
+def test_programs_beam_cannot_express_are_refused_at_split_time(fn, match):
+    with pytest.raises(bb.UnsupportedProgramError, match=match):
+        bb.split(fn, (server0(),), records(1)[0])
+
+
+# --- client records ---------------------------------------------------------------------------
+
+
+def test_a_record_with_a_wrong_shape_or_dtype_is_named():
+    recs = records(5)
+    recs[3] = ({**recs[3][0], "x": np.zeros((EXAMPLES + 1, DIM), F32)}, recs[3][1])
+    with pytest.raises(ValueError, match=r"client record 3, leaf 0: expected float32\[4, 3\], got"):
+        bb.run(fedavg_round, (server0(),), recs)
+    recs = records(5)
+    recs[2] = (recs[2][0], np.int32(1))
+    with pytest.raises(
+        ValueError, match=r"client record 2, leaf 2: expected float32\[\], got int32"
+    ):
+        bb.run(fedavg_round, (server0(),), recs)
+    recs = records(5)
+    recs[4] = (recs[4][0],)
+    with pytest.raises(ValueError, match=r"client record 4 has structure"):
+        bb.run(fedavg_round, (server0(),), recs)
+
+
+def test_no_records_is_an_error():
+    with pytest.raises(ValueError, match="client_records is empty"):
+        bb.run(fedavg_round, (server0(),), [])
+
+
+# --- the CombineFn ----------------------------------------------------------------------------
+
+
+def test_the_aggregation_merges_partial_accumulators_in_any_order_and_tree_shape():
+    recs = records(9)
+    plan = bb.split(fedavg_round, (server0(),), recs[0])
+    combine = bb.Aggregate(plan.reductions[0])
+    rng = np.random.default_rng(1)
+    contributions = [  # One bundle per client, float32 values of the reductions' shapes.
+        [rng.normal(size=(1, *r.shape)).astype(F32) for r in plan.reductions[0]] for _ in recs
+    ]
+
+    def leaf_acc(c):
+        return combine.add_input(combine.create_accumulator(), c)
+
+    def result(acc):
+        return combine.extract_output(acc)
+
+    flat = combine.create_accumulator()
+    for c in contributions:
+        flat = combine.add_input(flat, c)
+    expected = result(flat)
+    assert expected[0] == 9
+    leaves = [leaf_acc(c) for c in contributions]
+    shapes = {
+        "reversed": combine.merge_accumulators(leaves[::-1]),
+        "balanced": combine.merge_accumulators(
+            [
+                combine.merge_accumulators(leaves[:4]),
+                combine.merge_accumulators([combine.merge_accumulators(leaves[4:6]), *leaves[6:]]),
+            ]
+        ),
+        "with empties": combine.merge_accumulators(
+            [
+                combine.create_accumulator(),
+                *leaves[::2],
+                combine.create_accumulator(),
+                *leaves[1::2],
+            ]
+        ),
+        "right fold": leaves[-1],
+    }
+    for acc in leaves[-2::-1]:
+        shapes["right fold"] = combine.merge_accumulators([acc, shapes["right fold"]])
+    for name, acc in shapes.items():
+        count, values = result(acc)
+        assert count == 9, name
+        for got, want in zip(values, expected[1], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
+    # float64 accumulation: the mean of float32 contributions is the float64 mean, rounded once.
+    means = [r.kind == "mean" for r in plan.reductions[0]]
+    i = means.index(True)
+    exact = np.mean(np.concatenate([c[i] for c in contributions]).astype(np.float64), axis=0)
+    np.testing.assert_array_equal(expected[1][i], exact.astype(F32))
+
+
+def test_the_aggregation_of_no_client_is_an_error():
+    plan = bb.split(fedavg_round, (server0(),), records(1)[0])
+    combine = bb.Aggregate(plan.reductions[0])
+    with pytest.raises(ValueError, match="no client records reached the aggregation"):
+        combine.extract_output(combine.create_accumulator())
+
+
+# --- workers import jax and numpy only --------------------------------------------------------
+
+_WORKER_CHILD = textwrap.dedent(
+    """
+    import pickle, sys, types
+    import numpy as np
+    for name in ("bridge_mr", "bridge_mr.beam"):  # Stand-ins: their __init__ does not run.
+        stub = types.ModuleType(name)
+        stub.__path__ = [sys.argv[1] + ("/beam" if name.endswith("beam") else "")]
+        sys.modules[name] = stub
+    plan, server, stacked, expected = pickle.loads(open(sys.argv[2], "rb").read())
+    from bridge_mr.beam import _worker
+    got = _worker.interpret(plan, server, stacked, [2, 1])
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "apache_beam", "torchax"))
+    ours = sorted(m for m in sys.modules if m.startswith("bridge_mr."))
+    print(heavy, ours)
+    """
+)
+
+
+def test_a_worker_unpickles_and_runs_segments_with_jax_and_numpy_only(tmp_path):
+    recs = records(3)
+    plan = bb.split(fedavg_round, (server0(),), recs[0])
+    stacked = [np.stack(xs) for xs in zip(*(jax.tree.leaves(r) for r in recs), strict=True)]
+    expected = jax.tree.leaves(jit_of(fedavg_round, server0(), recs))
+    path = tmp_path / "plan.pkl"
+    leaves = [np.asarray(x) for x in jax.tree.leaves(server0())]
+    path.write_bytes(pickle.dumps((plan, leaves, stacked, [np.asarray(x) for x in expected])))
+    package = str(bridge_mr.__path__[0])
+    out = run_python(["-c", _WORKER_CHILD, package, str(path)], timeout=300)
+    stand_in = "'bridge_mr.beam', "  # The stand-in package itself.
+    assert (
+        out.splitlines()[-1] == f"[] [{stand_in}'bridge_mr.beam._plan', 'bridge_mr.beam._worker']"
+    )
