@@ -33,6 +33,7 @@ from .jax_core import program as program
 
 if TYPE_CHECKING:
     from . import algorithms as algorithms
+    from . import beam as beam
     from . import distributed as distributed
     from . import dlpack as dlpack
     from . import torch_api as torch_api
@@ -99,7 +100,7 @@ def __getattr__(name: str) -> Any:
     """Loads the torch-dependent names on first access (they import torch)."""
     if name == "torch_api":
         return _load_torch_api()
-    if name in ("algorithms", "distributed", "dlpack", "torch_fn"):
+    if name in ("algorithms", "beam", "distributed", "dlpack", "torch_fn"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY_TORCH_FN_NAMES:
         value = getattr(importlib.import_module(_TORCH_FN), name)
@@ -114,7 +115,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     """The public names, the lazy ones included (listing them loads nothing)."""
-    return sorted({*__all__, "algorithms", "distributed", "torch_api", "torch_fn"})
+    return sorted({*__all__, "algorithms", "beam", "distributed", "torch_api", "torch_fn"})
 
 
 def _frontend() -> ModuleType:

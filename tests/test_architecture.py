@@ -12,6 +12,7 @@
 | `torch_api` | `jax_core`, `dlpack`, `runners`, `distributed`, `_compat`, `_dtypes` | jax, torch |
 | `torch_fn` (`from_torch`) | `_compat` | jax, torch (torchax on first call) |
 | `distributed` | nothing | jax (no torch) |
+| `beam` | `jax_core`, `_compat` | jax, apache_beam (its `_worker`: jax only, tests/beam) |
 | `algorithms` | public names of `torch_api` and `jax_core` only | jax, torch (optax) |
 | `demo` | any public name | jax, torch |
 | `benchmarks/`, `examples/` | public names only, never the demo | |
@@ -66,7 +67,7 @@ LAYERS: dict[str, Layer] = {
     "jax_core": Layer(frozenset({"_compat"})),
     "": Layer(
         frozenset({"jax_core", "_flags"}),
-        lazily=frozenset({"dlpack", "torch_api", "torch_fn", "distributed", "algorithms"}),
+        lazily=frozenset({"dlpack", "torch_api", "torch_fn", "distributed", "algorithms", "beam"}),
     ),
     "_dtypes": Layer(frozenset({"_compat"})),
     "dlpack": Layer(frozenset({"_compat", "_dtypes"})),
@@ -76,6 +77,7 @@ LAYERS: dict[str, Layer] = {
     ),
     "torch_fn": Layer(frozenset({"_compat"})),
     "distributed": Layer(frozenset()),
+    "beam": Layer(frozenset({"jax_core", "_compat"})),
     "algorithms": Layer(frozenset({"jax_core", "torch_api"}), public_only=True),
     DEMO: Layer(frozenset(), public_only=True),
 }
@@ -92,6 +94,7 @@ LOADS: dict[str, frozenset[str]] = {
     "bridge_mr.torch_api": frozenset({"jax", "torch"}),
     "bridge_mr.torch_fn": frozenset({"jax", "torch"}),
     "bridge_mr.distributed": frozenset({"jax"}),
+    "bridge_mr.beam": frozenset({"jax", "apache_beam"}),
     "bridge_mr.algorithms": frozenset({"jax", "torch"}),
     "bridge_mr.demo": frozenset({"jax", "torch"}),
 }
