@@ -115,9 +115,10 @@ def dp_outer_step(
             f"torch.Generator().manual_seed(0)), got {type(generator).__name__}."
         )
     server = round_server(local, params, client_batches, hparams, "dp_outer_step")
-    n = int(jax.tree.leaves(client_batches)[0].shape[0])
+    first = jax.tree.leaves(client_batches)[0]
+    n = int(first.shape[0])
     if mask is None:
-        mask = torch.ones(n)
+        mask = torch.ones(n, device=first.device)
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (n,):
         raise ValueError(
             f"dp_outer_step(mask=...): expected a tensor of shape [{n}] (one 0/1 per client "
@@ -135,7 +136,8 @@ def dp_outer_step(
             chunk_size=chunk_size,
         )
         noisy = {}
-        for name, total in sums["delta"].items():
+        for name in params:  # In `params` order (the reduced dict's keys come back sorted).
+            total = sums["delta"][name]
             noise = torch.randn(
                 total.shape, generator=generator, device=generator.device, dtype=torch.float32
             )

@@ -245,3 +245,58 @@ def test_poisson_cohorts_compile_few_programs_and_equal_the_unpadded_round() -> 
     assert traced == len(padded) + len(sizes)  # One trace per padded size (the rest: unpadded).
     for k, p in params.items():
         torch.testing.assert_close(p.detach(), ref_params[k].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_dp_fedavg_rounds_equal_the_torch_loop() -> None:
+    """Poisson cohorts, clipping, noise and a momentum server over 3 rounds, against torch."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    local = alg.local_training(bridge_mr.from_torch(mse_loss(model)), optax.sgd(0.5), STEPS)
+    params = dict(model.named_parameters())
+    ref_params = dict(reference.named_parameters())
+    data = client_batches(12, STEPS, seed=4)
+    clip, z = 0.05, 0.7
+    sampler = alg.ClientSampler(12, probability=0.5, generator=21)
+    ref_sampler = alg.ClientSampler(12, probability=0.5, generator=21)
+    noise, ref_noise = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    server_opt = torch.optim.SGD(params.values(), lr=1.0, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_params.values(), lr=1.0, momentum=0.9)
+    clipped_any = False
+    for _ in range(3):
+        cohort = sampler.sample()
+        metrics = alg.dp_outer_step(
+            local,
+            params,
+            cohort.gather(data),
+            mask=cohort.weights(),
+            clip_norm=clip,
+            noise_multiplier=z,
+            expected_clients=sampler.expected_cohort_size,
+            generator=noise,
+        )
+        server_opt.step()
+        server_opt.zero_grad()
+        clipped_any |= metrics["clipped_fraction"].item() > 0
+
+        indices = ref_sampler.sample().indices
+        deltas, _ = local_deltas(
+            mse_loss(reference),
+            ref_params,
+            {k: v[indices] for k, v in data.items()},
+            _sgd(0.5),
+        )
+        for k, p in ref_params.items():
+            total = torch.zeros_like(p)
+            for d in deltas:
+                norm = torch.sqrt(sum((v**2).sum() for v in d.values()))
+                total = total + d[k] * min(1.0, clip / norm.item())
+            total = total + z * clip * torch.randn(p.shape, generator=ref_noise)
+            p.grad = -total / ref_sampler.expected_cohort_size
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert clipped_any
+    for k, p in params.items():
+        torch.testing.assert_close(p.detach(), ref_params[k].detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(server_opt.state.values(), ref_opt.state.values(), strict=True):
+        torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"], rtol=1e-5, atol=1e-6)
