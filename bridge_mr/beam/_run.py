@@ -447,7 +447,8 @@ class _Collect(beam.DoFn):
 
 
 def _options(pipeline_options: PipelineOptions | None) -> PipelineOptions:
-    options = PipelineOptions() if pipeline_options is None else pipeline_options
+    # Not PipelineOptions(): with no flags it parses sys.argv (the caller's own flags).
+    options = PipelineOptions([]) if pipeline_options is None else pipeline_options
     if not isinstance(options, PipelineOptions):
         raise TypeError(
             "pipeline_options must be an apache_beam PipelineOptions (e.g. "
@@ -458,9 +459,19 @@ def _options(pipeline_options: PipelineOptions | None) -> PipelineOptions:
     return options
 
 
-def _slice_bundle(bounds: tuple[int, int], *, stacked: Sequence[Any]) -> list[Any]:
-    start, stop = bounds
-    return [x[start:stop] for x in stacked]
+class _ReadClients(beam.DoFn):
+    """Reads a bundle of clients from the stacked records `run` saved (memory-mapped)."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self._paths = list(paths)
+        self._leaves: list[Any] = []
+
+    def setup(self) -> None:
+        self._leaves = [np.load(path, mmap_mode="r") for path in self._paths]
+
+    def process(self, bounds: tuple[int, int]) -> Iterable[list[Any]]:
+        start, stop = bounds
+        yield [np.array(leaf[start:stop]) for leaf in self._leaves]
 
 
 def run(
@@ -538,21 +549,29 @@ def run(
     )
     stacked = _worker.stack_records(records, record_tree, plan.record_avals, first_index=0)
     bounds = [(a, min(a + bundle_size, len(records))) for a in range(0, len(records), bundle_size)]
-    pipeline = beam.Pipeline(options=options)
-    count = pipeline | "count_clients" >> beam.Create([len(records)])
-    bundles = (
-        pipeline
-        | "bundles" >> beam.Create(bounds)
-        | "read_clients" >> beam.Map(_slice_bundle, stacked=stacked)
-    )
-    result = _expand_plan(plan, pipeline, bundles, count, server_leaves)
-    return _run_and_collect(pipeline, result)
-
-
-def _run_and_collect(pipeline: beam.Pipeline, result: Any) -> Any:
     with tempfile.TemporaryDirectory(prefix="bridge_mr_beam_") as tmp:
-        path = os.path.join(tmp, "result.pkl")
-        _ = result | "collect" >> beam.ParDo(_Collect(path))
-        pipeline.run().wait_until_finish()
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        # The records go through files, not the pipeline's payload (Beam pickles and
+        # compresses whatever a transform holds, once per bundle processor).
+        paths = [os.path.join(tmp, f"leaf_{i}.npy") for i in range(len(stacked))]
+        for path, leaf in zip(paths, stacked, strict=True):
+            np.save(path, leaf)
+        pipeline = beam.Pipeline(options=options)
+        count = pipeline | "count_clients" >> beam.Create([len(records)])
+        bundles = (
+            pipeline
+            | "bundles" >> beam.Create(bounds)
+            | "read_clients" >> beam.ParDo(_ReadClients(paths))
+        )
+        result = _expand_plan(plan, pipeline, bundles, count, server_leaves)
+        return _run_and_collect(pipeline, result, tmp)
+
+
+def _run_and_collect(pipeline: beam.Pipeline, result: Any, tmp: str | None = None) -> Any:
+    if tmp is None:
+        with tempfile.TemporaryDirectory(prefix="bridge_mr_beam_") as own:
+            return _run_and_collect(pipeline, result, own)
+    path = os.path.join(tmp, "result.pkl")
+    _ = result | "collect" >> beam.ParDo(_Collect(path))
+    pipeline.run().wait_until_finish()
+    with open(path, "rb") as f:
+        return pickle.load(f)

@@ -1,0 +1,123 @@
+"""Case "beam": a FedAvg round on Apache Beam's in-process runner against the same round in jit.
+
+`bridge_mr.beam.run` of a FedAvg round (3 local SGD steps of a linear model per client, a
+weighted mean) for 16 to 10,000 clients (quick: 16 to 2,048) on the FnApiRunner (the engine of
+Beam's DirectRunner for batch pipelines), and `jax.jit` of the same program on the stacked
+records. Fixed cost and per-client cost come from a least-squares line through the Beam times;
+the plan and its self-test are made before timing (once per program).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import harness, report
+from .environment import LoadMeter
+
+DIM, EXAMPLES = 32, 16
+
+
+def _program() -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    from bridge_mr import jax_core
+
+    def local(params: Any, data: Any) -> Any:
+        def loss(p: Any) -> Any:
+            return jnp.mean((data["x"] @ p["w"] + p["b"] - data["y"]) ** 2)
+
+        def step(p: Any, _: Any) -> Any:
+            return jax.tree.map(lambda a, g: a - 0.05 * g, p, jax.grad(loss)(p)), None
+
+        new, _ = jax.lax.scan(step, params, None, length=3)
+        return jax.tree.map(jnp.subtract, new, params)
+
+    def fedavg_round(server: Any, data: Any, weight: Any) -> Any:
+        deltas = jax_core.map_fn(local, (jax_core.broadcast(server), data))
+        update = jax_core.reduce_weighted_mean(deltas, weight)
+        return jax.tree.map(jnp.add, server, update)
+
+    return fedavg_round
+
+
+def _entry(samples: list[float]) -> dict[str, Any]:
+    import numpy as np
+
+    q1, median, q3 = (float(q) for q in np.quantile(samples, [0.25, 0.5, 0.75]))
+    return {"median_s": median, "q1_s": q1, "q3_s": q3, "reps": len(samples), "calls_per_rep": 1}
+
+
+def run(ctx: harness.Context) -> report.CaseResult:
+    """The beam case."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import bridge_mr
+    import bridge_mr.beam
+
+    meter = LoadMeter()
+    case = report.CaseResult(
+        name="beam",
+        title="A FedAvg round on Beam (in-process FnApiRunner) vs the same round under jit",
+        unit="seconds per round; (x) = ratio to jit; upd/s = client updates per second",
+    )
+    counts = ctx.clients or ((16, 256, 2048) if ctx.quick else (16, 100, 1000, 10000))
+    reps = 2 if ctx.quick else 3
+    fn = _program()
+    rng = np.random.default_rng(0)
+    server = {"w": np.zeros(DIM, np.float32), "b": np.float32(0.0)}
+    beam_medians = []
+    with harness.progress(len(counts), "beam") as bar:
+        for count in counts:
+            bar.set_postfix_str(f"{count} clients")
+            records = [
+                (
+                    {
+                        "x": rng.normal(size=(EXAMPLES, DIM)).astype(np.float32),
+                        "y": rng.normal(size=EXAMPLES).astype(np.float32),
+                    },
+                    np.float32(rng.uniform(1, 2)),
+                )
+                for _ in range(count)
+            ]
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *records)
+            jitted = jax.jit(bridge_mr.program(placements={"clients": count})(fn))
+            harness.sync(jitted(server, *stacked))  # Compile.
+            jit_samples = []
+            for _ in range(max(reps, 5)):
+                start = time.perf_counter()
+                harness.sync(jitted(server, *stacked))
+                jit_samples.append(time.perf_counter() - start)
+            bridge_mr.beam.run(fn, (server,), records[:2])  # The plan and its self-test.
+            beam_samples = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                bridge_mr.beam.run(fn, (server,), records)
+                beam_samples.append(time.perf_counter() - start)
+            jit_entry, beam_entry = _entry(jit_samples), _entry(beam_samples)
+            beam_entry["ratio_to_baseline"] = {
+                "median": beam_entry["median_s"] / jit_entry["median_s"]
+            }
+            for entry in (jit_entry, beam_entry):
+                entry["client_updates_per_s"] = count / entry["median_s"]
+            beam_medians.append(beam_entry["median_s"])
+            case.rows.append(
+                {
+                    "id": f"beam/c{count}",
+                    "params": {"clients": count, "dim": DIM, "examples": EXAMPLES},
+                    "baseline": "jit",
+                    "alternatives": {"jit": jit_entry, "beam FnApiRunner": beam_entry},
+                }
+            )
+            bar.update()
+    if len(counts) >= 2:
+        per_client, fixed = np.polyfit(np.asarray(counts, float), np.asarray(beam_medians), 1)
+        case.notes.append(
+            f"Beam round: fixed cost {fixed:.2f} s, {1e3 * per_client:.3f} ms per client "
+            "(least-squares line through the medians); bundles of 256 clients per segment call."
+        )
+    case.load = meter.read()
+    return case
