@@ -132,6 +132,7 @@ def test_the_noise_is_added_once_to_the_sum(clients: int) -> None:
     torch.testing.assert_close(w.grad, samples[-1])
 
 
+@pytest.mark.slow  # dp-accounting takes seconds to import.
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
 def test_the_accountant_agrees_with_dp_accounting(kind: str) -> None:
     import dp_accounting

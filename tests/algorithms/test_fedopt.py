@@ -198,3 +198,21 @@ def test_bad_arguments_are_named() -> None:
         alg.outer_step(local, list(params.values()), client_batches(CLIENTS, 4))  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"Yogi\(lr"):
         alg.Yogi(params.values(), lr=0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_clients_sharded_over_a_mesh_equal_unsharded(axis_type: str) -> None:
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(getattr(AxisType, axis_type),))
+    model = mlp()
+    local = alg.local_training(bridge_mr.from_torch(mse_loss(model)), CASES["diloco"][0], STEPS)
+    params = dict(model.named_parameters())
+    batches = client_batches(8, STEPS)
+    weights = torch.arange(1.0, 9.0)
+    with torch.no_grad():
+        sharded, _ = alg.mean_delta(local, params, batches, weights=weights, mesh=mesh)
+        plain, _ = alg.mean_delta(local, params, batches, weights=weights, strategy="vmap")
+    for k in plain:
+        torch.testing.assert_close(sharded[k], plain[k], rtol=1e-5, atol=1e-6)
