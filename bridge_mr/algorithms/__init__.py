@@ -19,6 +19,7 @@ it::
 
 | algorithm | inner (`local_training`) | outer (`torch.optim` over `outer_step`'s grads) |
 |---|---|---|
+| FedSGD (data-parallel) | `optax.sgd(1.0)`, `steps=1` (delta = -grad) | `torch.optim.AdamW` |
 | FedAvg | `optax.sgd(lr)` | `torch.optim.SGD(lr=1.0)` |
 | FedAvgM | `optax.sgd(lr)` | `torch.optim.SGD(lr, momentum=0.9)` |
 | FedAdam | `optax.sgd(lr)` | `torch.optim.Adam(lr, eps=1e-3)` |

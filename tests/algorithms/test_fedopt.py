@@ -216,3 +216,17 @@ def test_clients_sharded_over_a_mesh_equal_unsharded(axis_type: str) -> None:
         plain, _ = alg.mean_delta(local, params, batches, weights=weights, strategy="vmap")
     for k in plain:
         torch.testing.assert_close(sharded[k], plain[k], rtol=1e-5, atol=1e-6)
+
+
+def test_one_sgd_step_of_lr_one_gives_the_mean_gradient() -> None:
+    """FedSGD / data-parallel training: the pseudo-gradient is the clients' mean gradient."""
+    model = mlp()
+    loss = bridge_mr.from_torch(mse_loss(model))
+    params = dict(model.named_parameters())
+    batches = client_batches(CLIENTS, 1)
+    alg.outer_step(alg.local_training(loss, optax.sgd(1.0), steps=1), params, batches)
+    pseudo = {k: p.grad.clone() for k, p in params.items() if p.grad is not None}
+    for p in params.values():
+        p.grad = None
+    bridge_mr.map_reduce(loss, params, {k: v[:, 0] for k, v in batches.items()}).backward()
+    _assert_close(pseudo, {k: p.grad for k, p in params.items() if p.grad is not None})
