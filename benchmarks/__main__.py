@@ -27,6 +27,7 @@ from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 from . import (  # noqa: E402
+    cases_beam,
     cases_boundary,
     cases_diloco,
     cases_federated,
@@ -34,6 +35,7 @@ from . import (  # noqa: E402
     cases_limits,
     cases_models,
     cases_overhead,
+    cases_processes,
     harness,
     report,
     workloads,
@@ -49,7 +51,9 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "cnn": lambda ctx: cases_models.run(ctx, "cnn"),
     "lm": lambda ctx: cases_models.run(ctx, "lm"),
     "from_torch": cases_from_torch.run,
+    "processes": cases_processes.run,
     "diloco": cases_diloco.run,
+    "beam": cases_beam.run,
 }
 
 

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from ._initialize import current
 
 __all__ = [
     "Layout",
@@ -42,8 +45,13 @@ _DESCRIPTION_BYTES = 384
 
 
 def multi_process() -> bool:
-    """Whether this process is one of several `jax.distributed` processes."""
-    return jax.process_count() > 1
+    """Whether `bridge_mr.distributed.initialize` connected this process to others.
+
+    (A plain read: `torch.compile` may trace it, where it would warn about
+    `jax.process_count`'s cache.)
+    """
+    process = current()
+    return process is not None and process.world_size > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +104,28 @@ class Layout:
 
 @functools.cache
 def _global_mesh(placement: str) -> Mesh:
+    return Mesh(np.array(_devices()), (placement,), axis_types=(AxisType.Auto,))
+
+
+def _devices() -> list[Any]:
+    """The devices the cross-process program runs on, rank by rank.
+
+    On CPU, one per process: a process's CPU devices share its cores, and each is a peer of
+    its own in gloo's collectives, so more of them only add participants to every all-reduce.
+    On accelerators, every device of every process.
+    """
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(devices), (placement,), axis_types=(AxisType.Auto,))
+    if devices[0].platform != "cpu":
+        return devices
+    first: dict[int, Any] = {}
+    for device in devices:
+        first.setdefault(device.process_index, device)
+    return list(first.values())
 
 
 def slot_for(counts: Sequence[int]) -> int:
-    """The rows per rank for these counts: the largest, up to a multiple of the local devices."""
-    local = jax.local_device_count()
+    """The rows per rank for these counts: the largest, up to a multiple of its devices."""
+    local = len(_devices()) // jax.process_count()
     return math.ceil(max(counts) / local) * local
 
 

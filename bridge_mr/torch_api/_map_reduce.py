@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +162,12 @@ def map_reduce(
     """
     _check_strategy(strategy, chunk_size, memory_budget_bytes)
     if distributed.multi_process() and _holds_tensors((server, clients, weights)):
-        return _across_processes(
+        across: Callable[..., PyTree] = _across_processes
+        if torch.compiler.is_compiling():
+            # It exchanges facts with the other ranks before the program: eagerly, between two
+            # graphs (built here: building it imports torch._dynamo).
+            across = cast(Callable[..., PyTree], torch.compiler.disable(_across_processes))
+        return across(
             fn,
             server,
             clients,

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+import jax
+import torch
 from jax.sharding import AbstractMesh, Mesh
 
-from bridge_mr import jax_core
+from bridge_mr import distributed, jax_core
 
 from ._function import TorchFunction
 
@@ -62,11 +64,25 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
     return _MAP_FN(fn, arg, mesh=mesh)
 
 
+def _this_process_only(name: str, tree: PyTree) -> None:
+    """Refuses a torch-level reduction across processes: it would reduce this rank's rows only."""
+    if distributed.multi_process() and any(
+        isinstance(leaf, torch.Tensor) for leaf in jax.tree.leaves(tree)
+    ):
+        raise NotImplementedError(
+            f"bridge_mr.{name} on torch tensors across processes would reduce this rank's "
+            "clients only, not every rank's. Use bridge_mr.map_reduce(fn, server, "
+            "my_clients, reduce=...), which maps over every rank's clients and returns the "
+            "global reduction on every rank."
+        )
+
+
 def reduce_sum(x: PyTree) -> PyTree:
     """Sums every leaf of the placed value `x` over its leading placement axis.
 
     The torch-level `bridge_mr.reduce_sum` (documented there).
     """
+    _this_process_only("reduce_sum", x)
     return _REDUCE_SUM(x)
 
 
@@ -75,6 +91,7 @@ def reduce_mean(x: PyTree) -> PyTree:
 
     The torch-level `bridge_mr.reduce_mean` (documented there).
     """
+    _this_process_only("reduce_mean", x)
     return _REDUCE_MEAN(x)
 
 
@@ -84,4 +101,5 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
     `w` is one placed array (shape [n]) used for every leaf, or a pytree shaped like `x`. The
     torch-level `bridge_mr.reduce_weighted_mean` (documented there).
     """
+    _this_process_only("reduce_weighted_mean", (x, w))
     return _REDUCE_WEIGHTED_MEAN(x, w)

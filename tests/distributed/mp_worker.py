@@ -235,9 +235,33 @@ def refusals() -> None:
         bridge_mr.map_reduce(client_loss, params | {"2.bias": m[2].bias.detach()}, empty)
     except RuntimeError as error:
         errors["empty"] = str(error)
+    with bridge_mr.program(placements={"clients": HI - LO}):
+        try:
+            bridge_mr.reduce_mean(XS[LO:HI])
+        except NotImplementedError as error:
+            errors["torch_reduction"] = str(error)
     # The job goes on: a good call after the refusals.
     good = bridge_mr.map_reduce(client_loss, dict(model().named_parameters()), clients)
     report("refusals", errors=errors, after=good.item(), check=PROCESS.check_replicas)
+
+
+def large_payload() -> None:
+    """An 8 MiB gradient (gloo's reduce-scatter gave wrong values on 4 MiB chunks,
+    jax-ml/jax#40830): every rank gets the right sum, bit-identical."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(524288, 4, generator=g) * 0.01).requires_grad_(True)
+    xs = torch.randn(TOTAL, 3, 524288, generator=g)
+    loss = bridge_mr.map_reduce(lambda w, x: jnp.mean((x @ w) ** 2), w, xs[LO:HI])
+    loss.backward()
+    ref = w.detach().clone().requires_grad_(True)
+    torch.stack([((xs[i] @ ref) ** 2).mean() for i in range(TOTAL)]).mean().backward()
+    assert w.grad is not None
+    assert ref.grad is not None
+    report(
+        "large_payload",
+        digest=digest(w.grad),
+        relative_error=float((w.grad - ref.grad).abs().max() / ref.grad.abs().max()),
+    )
 
 
 SCENARIOS = {
@@ -250,6 +274,7 @@ SCENARIOS = {
     "reductions": reductions,
     "from_torch": from_torch,
     "refusals": refusals,
+    "large_payload": large_payload,
 }
 
 if __name__ == "__main__":

@@ -71,8 +71,15 @@ def _same_on_every_rank(by_rank: list[dict], *keys: str) -> None:
 def test_fedsgd_fedavg_gradients_and_refusals_over_two_ranks_with_unequal_counts(
     tmp_path: Path,
 ) -> None:
-    scenarios = ("fedsgd_vmap", "fedavg", "client_gradients", "reductions", "refusals")
-    # 4 and 3 clients on 4 devices each: rank 1 holds one padding row.
+    scenarios = (
+        "fedsgd_vmap",
+        "fedavg",
+        "client_gradients",
+        "reductions",
+        "refusals",
+        "large_payload",
+    )
+    # 4 and 3 clients: rank 1 holds one padding row.
     results = _run(tmp_path / "two", 2, "4,3", *scenarios, check_replicas=True)
     one = _run(tmp_path / "one", 1, "7", "fedsgd_vmap")["fedsgd_vmap"][0]
 
@@ -107,7 +114,13 @@ def test_fedsgd_fedavg_gradients_and_refusals_over_two_ranks_with_unequal_counts
     assert "'extra'" in errors_seen["signature"]
     assert "server['2.bias'] differs from rank 0's on rank(s) [1]" in errors_seen["replicas"]
     assert "client counts by rank are [0, 3]" in errors_seen["empty"]
+    assert "Use bridge_mr.map_reduce" in errors_seen["torch_reduction"]
     assert refusals[0]["after"] == pytest.approx(fedsgd[0]["losses"][0])
+
+    large = results["large_payload"]
+    _same_on_every_rank(large, "digest")
+    # float32 sums over 524288 terms, in another order than torch's (one process: the same).
+    assert large[0]["relative_error"] <= 1e-4
 
 
 @pytest.mark.slow
@@ -119,7 +132,7 @@ def test_strategies_and_torch_written_clients_over_two_ranks(tmp_path: Path) -> 
         "from_torch",
         "refusals",
     )
-    # 5 and 2 clients: 8 rows per rank, 3 and 6 of them padding.
+    # 5 and 2 clients: rank 1 holds 3 padding rows.
     results = _run(tmp_path / "two", 2, "5,2", *scenarios)
     for strategy in ("chunks", "per_client", "auto"):
         by_rank = results[f"fedsgd_{strategy}"]
@@ -130,5 +143,5 @@ def test_strategies_and_torch_written_clients_over_two_ranks(tmp_path: Path) -> 
     # With the replica check off, differing server values are the user's to avoid: no error.
     refusals = results["refusals"]
     assert refusals[0]["check"] is False
-    assert set(refusals[0]["errors"]) == {"signature", "empty"}
+    assert set(refusals[0]["errors"]) == {"signature", "empty", "torch_reduction"}
     _same_on_every_rank(refusals, "errors")
