@@ -8,10 +8,10 @@ Importing bridge_mr does not import torch: plain-JAX programs (export tools, Bea
 `jax.distributed` workers) never pay for it. The torch-only names (`map_reduce`,
 `map_reduce_choices`, `torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`,
 `from_torch`, `client_keys`) and the `dlpack`, `torch_api`, `torch_fn` and `algorithms`
-(FedAvg, FedOpt, DiLoCo, DP-FedAvg, ...) subpackages load torch on first access (torchax, behind `from_torch`, on a converted function's first call). The five
-MapReduce names run the JAX layer directly until torch is imported, since no torch tensor can
-exist before; from then on they run `bridge_mr.torch_api`, which accepts torch tensors and JAX
-values alike.
+(FedAvg, FedOpt, DiLoCo, DP-FedAvg, ...) subpackages load torch on first access (torchax,
+behind `from_torch`, on a converted function's first call). The five MapReduce names run the
+JAX layer directly until torch is imported, since no torch tensor can exist before; from then on
+they run `bridge_mr.torch_api`, which accepts torch tensors and JAX values alike.
 """
 
 from __future__ import annotations

@@ -50,7 +50,6 @@ class LocalTraining:
             params, hparams = server
             optimizer = self.optimizer(hparams)
         check_batch_stack(batches, self.steps, "batches")
-        start = params
         prox_mu = self.prox_mu
 
         def objective(current: PyTree, batch: PyTree) -> jax.Array:
@@ -58,7 +57,7 @@ class LocalTraining:
             if prox_mu:
                 distance = sum(
                     jnp.sum(jnp.square(w - w0))
-                    for w, w0 in zip(jax.tree.leaves(current), jax.tree.leaves(start), strict=True)
+                    for w, w0 in zip(jax.tree.leaves(current), jax.tree.leaves(params), strict=True)
                 )
                 value = value + 0.5 * prox_mu * distance
             return value
