@@ -32,7 +32,7 @@ DEFAULT_BUNDLE_SIZE = 256
 _CHECK_CLIENTS = (2, 2)  # The self-test's bundles: 4 clients, two accumulators merged.
 
 _PLANS: weakref.WeakKeyDictionary[Any, dict[Any, Plan]] = weakref.WeakKeyDictionary()
-_CHECKED: set[int] = set()
+_CHECKED: dict[int, Plan] = {}  # Self-tested plans (held, so that their ids stay theirs).
 _PLANS_LOCK = threading.Lock()
 
 
@@ -226,14 +226,11 @@ def _finish(state: tuple[int, Sequence[Any]], *, outputs: list[tuple[str, Any]],
     return jax.tree.unflatten(tree, leaves)
 
 
-def _expand_plan(
-    plan: Plan, root: Any, bundles: Any, count: Any, server_leaves: Sequence[Any]
-) -> Any:
+def _expand_plan(plan: Plan, bundles: Any, count: Any, server_leaves: Sequence[Any]) -> Any:
     """The rounds of `plan` as Beam transforms; returns the PCollection of its one result."""
     state = count | "server_prepare_0" >> beam.Map(
         _server_prepare, segment=plan.server_segment(0), leaves=[*server_leaves, *plan.consts]
     )
-    del root  # Every transform hangs off `count` and `bundles`.
     for k in range(plan.num_rounds):
         worked = bundles | f"client_work_{k}" >> beam.ParDo(
             _ClientWork(plan.client_segment(k)), AsSingleton(state)
@@ -253,7 +250,7 @@ def _expand_plan(
     return state | "result" >> beam.Map(_finish, outputs=plan.outputs, tree=plan.out_tree)
 
 
-class MapReduce(beam.PTransform):  # type: ignore[misc]
+class MapReduce(beam.PTransform):
     """A MapReduce program as a Beam transform: client records in, its one result out.
 
     `records | MapReduce(fn, server_args, record_spec)` is a PCollection holding one element,
@@ -310,7 +307,7 @@ class MapReduce(beam.PTransform):  # type: ignore[misc]
                 first_index=None,
             )
         )
-        return _expand_plan(plan, records.pipeline, bundles, count, server_leaves)
+        return _expand_plan(plan, bundles, count, server_leaves)
 
 
 def _check_bundle_size(bundle_size: int) -> int:
@@ -345,7 +342,7 @@ def prepare(
     record_tree = plan.record_tree
     if check and id(plan) not in _CHECKED:
         self_test(fn, plan, server_leaves, record_tree)
-        _CHECKED.add(id(plan))
+        _CHECKED[id(plan)] = plan
     return plan, server_leaves, record_tree
 
 
@@ -562,7 +559,7 @@ def run(
             | "bundles" >> beam.Create(bounds)
             | "read_clients" >> beam.ParDo(_ReadClients(paths))
         )
-        result = _expand_plan(plan, pipeline, bundles, count, server_leaves)
+        result = _expand_plan(plan, bundles, count, server_leaves)
         return _run_and_collect(pipeline, result, tmp)
 
 

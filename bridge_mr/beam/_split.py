@@ -602,7 +602,7 @@ def split(
     _dce(flat)
     checker = _Checker(n, placement)
     for i, out in enumerate(flat.outvars):
-        if checker.axis(out, None) is not None:
+        if placement_axis(out.aval, n, what=lambda: "A result") is not None:
             path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(out_shape)[0][i][0])
             raise UnsupportedProgramError(
                 f"The program's result{path} is a placed value ({out.aval.str_short()}): "

@@ -66,7 +66,7 @@ def records(count, seed=0):
 
 
 def jit_of(fn, server, recs, *more):
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *recs)
+    stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *recs)
     return jax.jit(mr.program(clients=len(recs))(fn))(server, *more, *stacked)
 
 
@@ -94,6 +94,7 @@ def test_a_round_of_300_clients_equals_jit(fn):
     assert_close(bb.run(fn, (server0(),), recs, bundle_size=64), jit_of(fn, server0(), recs))
 
 
+@pytest.mark.slow
 def test_three_consecutive_fedavg_rounds_equal_jit():
     server_beam = server_jit = server0()
     for r in range(3):
@@ -117,6 +118,7 @@ def meta_gradient(server, data, weight):
     return jax.value_and_grad(after_round)(server)
 
 
+@pytest.mark.slow
 def test_a_gradient_through_map_and_reduce_equals_jit():
     recs = records(16)
     got = bb.run(meta_gradient, (server0(),), recs, bundle_size=6)
@@ -167,6 +169,7 @@ def test_interpret_runs_the_plan_in_any_bundling():
 # --- the PTransform form ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_transform_composes_into_a_users_pipeline_and_run_takes_a_pcollection():
     recs = records(12)
     expected = jit_of(fedavg_round, server0(), recs)
@@ -348,6 +351,7 @@ _WORKER_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_worker_unpickles_and_runs_segments_with_jax_and_numpy_only(tmp_path):
     recs = records(3)
     plan = bb.split(fedavg_round, (server0(),), recs[0])

@@ -1,0 +1,31 @@
+"""The "beam" benchmark case end to end on a tiny configuration (timing, JSON, Markdown)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_beam_case_reports_beam_and_jit_rows(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    main = importlib.import_module("benchmarks.__main__").main
+    status = main(
+        ["--quick", "--cases", "beam", "--clients", "4", "9", "--memory", "none", "--no-xla",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert status == 0
+    case = json.loads((tmp_path / "results.json").read_text())["cases"]["beam"]
+    assert [row["id"] for row in case["rows"]] == ["beam/c4", "beam/c9"]
+    for row in case["rows"]:
+        assert set(row["alternatives"]) == {"jit", "beam FnApiRunner"}
+        beam = row["alternatives"]["beam FnApiRunner"]
+        assert beam["median_s"] > 0
+        assert beam["ratio_to_baseline"]["median"] > 0
+    assert any("per client" in note for note in case["notes"])
+    assert "beam/c9" in (tmp_path / "results.md").read_text()

@@ -1,0 +1,21 @@
+"""The README's Apache Beam FedAvg loop runs as written and learns."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.mark.slow
+def test_the_readme_fedavg_loop_on_beam_runs_and_learns():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    (block,) = [b for b in blocks if "bridge_mr.beam.run(fedavg_round" in b]
+    namespace: dict = {}
+    exec(compile(block, "README Beam FedAvg", "exec"), namespace)
+    error = np.abs(namespace["server"]["w"] - namespace["true_w"]).max()
+    assert error < 0.5 * np.abs(namespace["true_w"]).max()  # Three rounds moved w toward true_w.
