@@ -167,10 +167,11 @@ def agree(
     if len({tuple(row[2:4]) for row in table}) > 1:
         lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(signatures))
         raise RuntimeError(
-            f"{where}: the ranks called it with different programs or signatures, so they "
-            f"cannot run one program together:\n{lines}\nFix: every rank must call it with the "
+            f"{where}: the ranks called it with different programs or signatures (or one "
+            f"rank made more calls than another), so they cannot run one program together:"
+            f"\n{lines}\nFix: every rank must make the same calls in the same order, with the "
             f"same function, server tensors (shapes, dtypes, requires_grad), client tensors "
-            f"(shapes after the clients axis) and options, in the same order."
+            f"(shapes after the clients axis) and options."
         )
     counts = tuple(int(c) for c in table[:, 0])
     if min(counts) < 1:
@@ -202,14 +203,18 @@ def _name_differing_replicas(hashes: Sequence[bytes], names: Sequence[str], wher
 
 def agree_seconds(seconds: float) -> float:
     """The longest of every rank's `seconds` (a timing all ranks then decide on alike)."""
-    table = multihost_utils.process_allgather(np.array([seconds], np.float64))
+    table = multihost_utils.process_allgather(np.array([seconds], np.float32))
     return float(np.max(np.asarray(table)))
 
 
 def agree_minimum(value: int) -> int:
-    """The smallest of every rank's `value`."""
-    table = multihost_utils.process_allgather(np.array([value], np.int64))
-    return int(np.min(np.asarray(table)))
+    """The smallest of every rank's non-negative `value` (below 2**62; a byte count).
+
+    Exchanged as two int32 words: with JAX's x64 mode off a gathered int64 would be narrowed.
+    """
+    words = np.array([value >> 31, value & 0x7FFFFFFF], np.int32)
+    table = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, 2).astype(np.int64)
+    return int(np.min((table[:, 0] << 31) | table[:, 1]))
 
 
 def _words(digest: bytes) -> list[int]:

@@ -264,6 +264,57 @@ def large_payload() -> None:
     )
 
 
+def streamed() -> None:
+    """Each rank streams its clients in 2 chunks (`reduce="sum"` with example-count weights,
+    gradients accumulated, divided by the total weight): one weighted FedSGD step. Every rank
+    makes the same number of calls, so each splits its own clients into that many chunks."""
+    m, ref = model(), model()
+    params = dict(m.named_parameters())
+
+    def weighted_loss(p: dict, c: dict) -> jax.Array:
+        return c["n"] * client_loss(p, c)
+
+    for rows in torch.arange(LO, HI).tensor_split(2):
+        chunk = {"x": XS[rows], "y": YS[rows], "n": SIZES[rows]}
+        bridge_mr.map_reduce(weighted_loss, params, chunk, reduce="sum").backward()
+    for p in params.values():
+        assert p.grad is not None
+        p.grad /= SIZES.sum()
+    losses = torch.stack([F.cross_entropy(ref(XS[i]), YS[i]) for i in range(TOTAL)])
+    (losses * SIZES).sum().div(SIZES.sum()).backward()
+    report(
+        "streamed",
+        max_error=max(
+            float((a.grad - b.grad).abs().max())
+            for a, b in zip(m.parameters(), ref.parameters(), strict=True)
+            if a.grad is not None and b.grad is not None
+        ),
+    )
+
+
+def auto_measured() -> None:
+    """A client slow enough that `strategy="auto"` times every candidate: every rank picks the
+    same strategy (the timings are agreed across ranks)."""
+
+    def heavy(w: jax.Array, x: jax.Array) -> jax.Array:
+        h = x
+        for _ in range(12):
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(192, 192, generator=g) * 0.1).requires_grad_(True)
+    xs = torch.randn(TOTAL, 96, 192, generator=g)
+    bridge_mr.map_reduce(heavy, w, xs[LO:HI]).backward()
+    choice = bridge_mr.map_reduce_choices()[-1]
+    report(
+        "auto_measured",
+        strategy=[choice.strategy, choice.chunk_size],
+        timed=[c.timed_calls for c in choice.candidates],
+        seconds=[c.seconds for c in choice.candidates],
+    )
+
+
 SCENARIOS = {
     "fedsgd_vmap": lambda: fedsgd("vmap"),
     "fedsgd_chunks": lambda: fedsgd("chunks", chunk_size=2),
@@ -275,6 +326,8 @@ SCENARIOS = {
     "from_torch": from_torch,
     "refusals": refusals,
     "large_payload": large_payload,
+    "streamed": streamed,
+    "auto_measured": auto_measured,
 }
 
 if __name__ == "__main__":

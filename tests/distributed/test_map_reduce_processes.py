@@ -131,6 +131,8 @@ def test_strategies_and_torch_written_clients_over_two_ranks(tmp_path: Path) -> 
         "fedsgd_auto",
         "from_torch",
         "refusals",
+        "streamed",
+        "auto_measured",
     )
     # 5 and 2 clients: rank 1 holds 3 padding rows.
     results = _run(tmp_path / "two", 2, "5,2", *scenarios)
@@ -145,3 +147,9 @@ def test_strategies_and_torch_written_clients_over_two_ranks(tmp_path: Path) -> 
     assert refusals[0]["check"] is False
     assert set(refusals[0]["errors"]) == {"signature", "empty", "torch_reduction"}
     _same_on_every_rank(refusals, "errors")
+    # Streaming each rank's clients in chunks (reduce="sum", gradients accumulated).
+    assert all(r["max_error"] <= 1e-6 for r in results["streamed"])
+    # "auto" timed every candidate and the ranks agreed on the timings, hence on the pick.
+    auto = results["auto_measured"]
+    _same_on_every_rank(auto, "strategy", "timed", "seconds")
+    assert all(calls >= 1 for calls in auto[0]["timed"]), auto
