@@ -8,7 +8,7 @@
 | top level | `jax_core`, `_flags`; `dlpack`, `torch_api`, `torch_fn`, `distributed` lazily | jax |
 | `_dtypes` | `_compat` | jax, torch |
 | `dlpack` | `_compat`, `_dtypes` | jax, torch |
-| `runners` | `dlpack`, `jax_core`, `distributed`, `_compat`, `_dtypes` | jax, torch (torch_xla lazily) |
+| `runners` | `dlpack`, `jax_core`, `distributed`, `_compat`, `_dtypes` | jax, torch (+ torch_xla) |
 | `torch_api` | `jax_core`, `dlpack`, `runners`, `distributed`, `_compat`, `_dtypes` | jax, torch |
 | `torch_fn` (`from_torch`) | `_compat` | jax, torch (torchax on first call) |
 | `distributed` | nothing | jax (no torch) |
