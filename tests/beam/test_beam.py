@@ -119,10 +119,12 @@ def meta_gradient(server, data, weight):
 
 
 @pytest.mark.slow
-def test_a_gradient_through_map_and_reduce_equals_jit():
-    recs = records(16)
-    got = bb.run(meta_gradient, (server0(),), recs, bundle_size=6)
+@pytest.mark.parametrize("count", [1, 16, 317])
+def test_a_gradient_through_map_and_reduce_equals_jit(count):
+    recs = records(count)
+    got = bb.run(meta_gradient, (server0(),), recs, bundle_size=64)
     assert_close(got, jit_of(meta_gradient, server0(), recs), tol=1e-4)
+    # The backward pass of the round is further rounds of map/reduce.
     assert bb.split(meta_gradient, (server0(),), recs[0]).num_rounds >= 2
 
 
