@@ -75,6 +75,7 @@ _PER_CLIENT = frozenset(
         "atan2",
         "atanh",
         "bessel_i0e",
+        "bitcast_convert_type",
         "bessel_i1e",
         "cbrt",
         "ceil",

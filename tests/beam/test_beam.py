@@ -147,6 +147,36 @@ def test_multi_round_programs_equal_jit(fn):
     assert_close(bb.run(fn, (server0(),), recs, bundle_size=7), jit_of(fn, server0(), recs))
 
 
+def assorted_client(table, tokens, key, scale):
+    """Client work: a gather, randomness, cond, fori_loop, sort and cumsum (not over clients)."""
+    embedded = table[tokens]  # A gather from the broadcast table by the client's tokens.
+    noisy = embedded + 0.01 * jax.random.normal(key, embedded.shape)
+    y = jax.lax.cond(scale > 1.0, lambda e: e * scale, lambda e: e - scale, noisy)
+    y = jax.lax.fori_loop(0, 3, lambda i, c: c * 0.5 + 1.0, y)
+    return jnp.sort(y, axis=-1).sum() + jnp.cumsum(y, axis=0)[-1].sum()
+
+
+def assorted(table, tokens, key, scale):
+    values = mr.map_fn(assorted_client, (mr.broadcast(table), tokens, key, scale))
+    return mr.reduce_mean(values), mr.reduce_sum(scale > 1.0)
+
+
+def test_assorted_client_work_equals_jit():
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(10, 4)).astype(F32)
+    recs = [
+        (
+            rng.integers(0, 10, size=5).astype(np.int32),
+            np.asarray(jax.random.key_data(jax.random.PRNGKey(i))),  # A key per client.
+            F32(rng.uniform(0.5, 1.5)),
+        )
+        for i in range(16)
+    ]
+    stacked = [jnp.asarray(np.stack(xs)) for xs in zip(*recs, strict=True)]
+    expected = jax.jit(mr.program(clients=16)(assorted))(table, *stacked)
+    assert_close(bb.run(assorted, (table,), recs, bundle_size=5), expected, tol=1e-4)
+
+
 def test_the_plan_has_the_phases_of_distribute_aggregate_form():
     plan = bb.split(two_rounds, (server0(),), records(1)[0])
     assert [s.name for s in plan.segments] == [
