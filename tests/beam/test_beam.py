@@ -245,6 +245,17 @@ def pairwise_matmul(server, data, weight):
     return jnp.sum(jnp.einsum("cij,dij->cd", data["x"], data["x"]))
 
 
+def merged_client_axis(server, data, weight):
+    return jnp.sum(data["x"].reshape(-1) ** 2)
+
+
+def convolution(server, data, weight):
+    kernel = jnp.ones((2, 1, 2, 2), jnp.float32)
+    images = data["x"][:, None]  # [n, 1, 4, 3]: one image per client
+    out = mr.map_fn(lambda image: jax.lax.conv(image[None], kernel, (1, 1), "SAME"), images)
+    return mr.reduce_mean(out)
+
+
 def placed_result(server, data, weight):
     return mr.map_fn(lambda w: w * 2, weight)
 
@@ -265,6 +276,8 @@ def rounds_in_a_scan(server, data, weight):
         (client_index, r"iota\[.* reads the client index"),
         (pairwise_matmul, r"float32\[n,n\].*pairs every client with every other"),
         (placed_result, r"result is a placed value \(float32\[n\]\)"),
+        (merged_client_axis, r"reshape.*float32\[12\*n\].*merges clients with another axis"),
+        (convolution, r"conv_general_dilated.* does not know to keep clients apart"),
         (rounds_in_a_scan, r"placed_broadcast.* is a broadcast inside a scan"),
     ],
 )
@@ -291,6 +304,18 @@ def test_a_record_with_a_wrong_shape_or_dtype_is_named():
     recs[4] = (recs[4][0],)
     with pytest.raises(ValueError, match=r"client record 4 has structure"):
         bb.run(fedavg_round, (server0(),), recs)
+
+
+def test_a_bad_record_in_a_pcollection_is_named_by_its_types():
+    spec = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), records(1)[0]
+    )
+    recs = records(3)
+    recs[1] = ({**recs[1][0], "y": np.zeros(EXAMPLES + 2, F32)}, recs[1][1])
+    pipeline = beam.Pipeline(runner=bb.DEFAULT_RUNNER)
+    pcoll = pipeline | beam.Create(recs)
+    with pytest.raises(ValueError, match=r"a client record, leaf 1: expected float32\[4\], got"):
+        bb.run(fedavg_round, (server0(),), pcoll, record_spec=spec)
 
 
 def test_no_records_is_an_error():
