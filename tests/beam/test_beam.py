@@ -177,6 +177,32 @@ def test_assorted_client_work_equals_jit():
     assert_close(bb.run(assorted, (table,), recs, bundle_size=5), expected, tol=1e-4)
 
 
+@jax.custom_vjp
+def clipped_gradient(x):
+    return x
+
+
+clipped_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+
+def with_custom_rules(server, data, weight):
+    """A gradient through map/reduce of client work with custom_vjp, checkpoint and jit inside."""
+
+    def loss(s):
+        def client(p, d):
+            return jnp.sum(jax.checkpoint(jnp.tanh)(clipped_gradient(d["x"] @ p["w"])))
+
+        return mr.reduce_weighted_mean(mr.map_fn(client, (mr.broadcast(s), data)), weight)
+
+    return jax.grad(loss)(server), jax.jit(loss)(server)
+
+
+def test_custom_vjp_checkpoint_and_jit_inside_equal_jit():
+    recs = records(8)
+    got = bb.run(with_custom_rules, (server0(),), recs, bundle_size=3)
+    assert_close(got, jit_of(with_custom_rules, server0(), recs), tol=1e-4)
+
+
 def test_the_plan_has_the_phases_of_distribute_aggregate_form():
     plan = bb.split(two_rounds, (server0(),), records(1)[0])
     assert [s.name for s in plan.segments] == [
