@@ -161,6 +161,7 @@ def assorted(table, tokens, key, scale):
     return mr.reduce_mean(values), mr.reduce_sum(scale > 1.0)
 
 
+@pytest.mark.slow
 def test_assorted_client_work_equals_jit():
     rng = np.random.default_rng(0)
     table = rng.normal(size=(10, 4)).astype(F32)
