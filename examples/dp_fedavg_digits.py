@@ -1,7 +1,7 @@
 """DP-FedAvg (user-level differential privacy) of a torch MLP on digits, and what epsilon costs.
 
-    python examples/dp_fedavg_digits.py --quick     # 15 rounds, well under a minute
-    python examples/dp_fedavg_digits.py             # 60 rounds
+    python examples/dp_fedavg_digits.py --quick     # 15 rounds: 38 s on 2 busy CPU cores
+    python examples/dp_fedavg_digits.py             # 60 rounds: 72 s
 
 scikit-learn's digits (8x8 images, 10 classes) are split into a test set and many small
 clients (`--examples-per-client` images each: a client is a user whose whole data is private).
@@ -10,8 +10,8 @@ probability `--q`, what the privacy analysis assumes); each sampled client runs 
 SGD steps (optax) of a torch MLP's loss, run as JAX by `bridge_mr.from_torch`;
 `bridge_mr.algorithms.dp_outer_step` clips each client's delta to L2 norm `--clip`, sums them
 (one `map_reduce` program), adds Gaussian noise of standard deviation `z * clip` once to the
-sum from a `torch.Generator` this script seeds, and divides by the expected cohort size; a
-torch SGD server optimizer with momentum steps the model. `bridge_mr.algorithms.
+sum from a `torch.Generator` this script seeds, and divides by the expected cohort size;
+`torch.optim.SGD(lr=1.0)` steps the model (FedAvg's server). `bridge_mr.algorithms.
 PrivacyAccountant` (the dp-accounting library's RDP accountant) reports the epsilon spent at
 delta = 1 / clients^1.1 after every round.
 
@@ -43,7 +43,10 @@ import bridge_mr
 
 LOCAL_LR = 0.2
 LOCAL_STEPS = 4
-SERVER_LR, SERVER_MOMENTUM = 1.0, 0.9
+# Server momentum sums the rounds' noise too: with about 36 clients a round, momentum 0.9 lost
+# 10-20 points of accuracy over 60 rounds at z = 1 and 2 (0.5: fewer), so the server is plain
+# FedAvg's SGD(lr=1).
+SERVER_LR, SERVER_MOMENTUM = 1.0, 0.0
 NOISE_MULTIPLIERS = (0.5, 1.0, 2.0)
 Tensors = dict[str, torch.Tensor]
 
