@@ -7,12 +7,11 @@ each worker has 4 CPU devices, so the global mesh has 8 over two processes.
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.child import torchrun
 
 import bridge_mr
 
@@ -43,35 +42,12 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(script: Path, port: int, *, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={port}",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 @pytest.mark.slow
 def test_two_torchrun_processes_share_one_program_over_their_devices(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     # torchrun's store takes MASTER_PORT; the coordination service takes the next one.
-    run = _torchrun(script, _free_port())
+    run = torchrun(script)
     assert run.returncode == 0, run.stderr[-4000:]
     results = sorted(line.split(" ", 1)[1] for line in run.stdout.splitlines() if "RESULT" in line)
     # Column sums of rank 0's rows (0..11) and rank 1's (100..111): the global reduction.
@@ -132,6 +108,6 @@ def test_a_rank_that_dies_ends_the_job_instead_of_hanging(tmp_path: Path) -> Non
     script.write_text(dying)
     # Rank 0 waits in a collective for rank 1, which is gone: the job must end, not hang (the
     # outer timeout would fail the test), and end with an error.
-    run = _torchrun(script, _free_port(), timeout=120)
+    run = torchrun(script, timeout=120)
     assert run.returncode != 0
     assert "RESULT" not in run.stdout

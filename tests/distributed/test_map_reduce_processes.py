@@ -7,21 +7,12 @@ be bit-identical on both ranks and match torch (and one process over every clien
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.child import torchrun
 
 WORKER = Path(__file__).with_name("mp_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(
@@ -30,27 +21,10 @@ def _run(
     """Runs the scenarios under torchrun; returns each scenario's results, by rank."""
     out.mkdir()
     env = {
-        **os.environ,
         "BRIDGE_MR_CHECK_REPLICAS": "1" if check_replicas else "0",
         "RESULTS_DIR": str(out),
     }
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={processes}",
-            f"--master-port={_free_port()}",
-            str(WORKER),
-            counts,
-            *scenarios,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-        env=env,
-    )
+    run = torchrun(WORKER, (counts, *scenarios), processes=processes, env=env, timeout=400)
     assert run.returncode == 0, run.stderr[-6000:]
     results: dict[str, list[dict]] = {s: [{}] * processes for s in scenarios}
     for rank in range(processes):

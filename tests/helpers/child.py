@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -35,3 +36,36 @@ def run_python(
     stderr = f"stderr:\n{child.stderr[-4000:]}"
     assert child.returncode == 0, f"exit {child.returncode}:\n{stdout}{stderr}"
     return child.stdout
+
+
+def torchrun(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    processes: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 180,
+) -> subprocess.CompletedProcess[str]:
+    """Runs `script` under `python -m torch.distributed.run` on a free port; returns the run.
+
+    The exit status is the caller's to check (some tests expect a failure).
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={processes}",
+            f"--master-port={port}",
+            str(script),
+            *args,
+        ],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
