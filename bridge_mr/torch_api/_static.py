@@ -78,7 +78,7 @@ def function_key(fn: Any) -> Any:
     try:
         key = _ValueKey(_function_parts(fn, walk), walk.keep)
     except _NotByValue as err:
-        return FunctionIdentity(fn, err.what)
+        return FunctionIdentity(fn, err.what, err.reader)
     if plain and walk.functions == 1 and not walk.arrays:
         if len(_RECENT) >= _RECENT_MAX:
             del _RECENT[next(iter(_RECENT))]
@@ -127,14 +127,17 @@ def _same_objects(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
 class FunctionIdentity:
     """Keys a function by identity; keeps it alive so that its id is not reused.
 
-    `why` names the first captured value that could not be compared by value.
+    `why` names the first captured value that could not be compared by value, and `reader`
+    the code of the function that read it (None where no function body did: a method's
+    `self`, a partial's argument).
     """
 
-    __slots__ = ("fn", "why")
+    __slots__ = ("fn", "reader", "why")
 
-    def __init__(self, fn: Any, why: str) -> None:
+    def __init__(self, fn: Any, why: str, reader: types.CodeType | None = None) -> None:
         self.fn = fn
         self.why = why
+        self.reader = reader
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FunctionIdentity) and other.fn is self.fn
@@ -143,7 +146,14 @@ class FunctionIdentity:
         return id(self.fn)
 
     def code(self) -> types.CodeType | None:
-        """The code object behind the function (through partials and bound methods)."""
+        """The code of the function that read the value, else the code behind the function
+        (through partials and bound methods).
+
+        Re-created functions count as retraces of this code: two conversions of different
+        functions (`from_torch` closures share one code object) are not one function re-created.
+        """
+        if self.reader is not None:
+            return self.reader
         fn = self.fn
         while isinstance(fn, (functools.partial, types.MethodType)):
             fn = fn.func if isinstance(fn, functools.partial) else fn.__func__
@@ -190,6 +200,7 @@ class _Walk:
 class _NotByValue(Exception):
     def __init__(self, what: tuple[Any, ...]) -> None:
         self.what = what[0].format(*what[1:])
+        self.reader: types.CodeType | None = None  # The innermost function that read it.
         super().__init__(self.what)
 
 
@@ -323,6 +334,10 @@ def _function_parts(fn: Any, walk: _Walk) -> tuple[Any, ...]:
             for var, cell in zip(code.co_freevars, fn.__closure__, strict=True):
                 parts.append(_cell_value(cell, ("{!r} captured by {}", var, name), walk))
         return tuple(parts)
+    except _NotByValue as err:
+        if err.reader is None:
+            err.reader = code
+        raise
     finally:
         walk.stack.discard(key)
 

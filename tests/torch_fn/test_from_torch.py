@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -662,3 +663,47 @@ def test_gather_with_a_bad_dim_or_index_shape_is_an_error() -> None:
         bridge_mr.from_torch(lambda x, i: torch.gather(x, 3, i))(x, jnp.zeros((2, 1), jnp.int32))
     with pytest.raises(UnsupportedTorchOperation, match="index shape"):
         bridge_mr.from_torch(lambda x, i: torch.gather(x, 1, i))(x, jnp.zeros((4, 1), jnp.int32))
+
+
+def _models_loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.func.functional_call(_MODELS[0], params, (x,)).square().mean()
+
+
+_MODELS = [nn.Linear(3, 2)]
+
+
+def test_conversions_of_different_functions_are_not_counted_as_retraces() -> None:
+    bridge_mr.clear_caches()
+    # Every from_torch conversion shares one closure's code: the count follows the torch
+    # function that could not be keyed by value (each reads a module), not that closure.
+    x = torch.randn(4, 5, 3)
+    params = dict(_MODELS[0].named_parameters())
+
+    def first(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(_MODELS[0], params, (x,)).mean()
+
+    def second(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(_MODELS[0], params, (x,)).square().mean()
+
+    def third(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(_MODELS[0], params, (x,)).abs().mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bridge_mr.RetraceWarning)
+        for fn in (first, second, third, _models_loss):
+            bridge_mr.map_reduce(bridge_mr.from_torch(fn), params, x, strategy="vmap")
+
+
+def test_converting_the_same_function_again_on_every_call_warns() -> None:
+    bridge_mr.clear_caches()  # The count is per process: start from none.
+    x = torch.randn(4, 5, 3)
+    params = dict(_MODELS[0].named_parameters())
+
+    def convert_and_call() -> None:
+        loss = bridge_mr.from_torch(_models_loss)
+        bridge_mr.map_reduce(loss, params, x, strategy="vmap")
+
+    convert_and_call()
+    convert_and_call()
+    with pytest.warns(bridge_mr.RetraceWarning, match=r"traced _models_loss at .* 3 times"):
+        convert_and_call()
