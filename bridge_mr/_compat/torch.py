@@ -19,6 +19,7 @@ __all__ = [
     "dispatches_to_python",
     "flatten_dense_tensors",
     "forward_ad_active",
+    "functional_inner",
     "functorch_transforms_active",
     "graph_break",
     "graph_break_resumes",
@@ -52,6 +53,15 @@ tensor_from_capsule: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
 #: `torch._is_functional_tensor`: whether a tensor is a functionalization wrapper (inside
 #: `torch.func.functionalize`). torch 2.9 - 2.13.
 is_functional_tensor: Callable[[torch.Tensor], bool] = torch._is_functional_tensor  # pyright: ignore[reportPrivateImportUsage]
+
+
+def functional_inner(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a functionalization wrapper holds now, its pending writes applied.
+
+    `torch._sync` then `torch._from_functional_tensor`. torch 2.9 - 2.13.
+    """
+    torch._sync(tensor)  # pyright: ignore[reportPrivateImportUsage]
+    return torch._from_functional_tensor(tensor)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def is_op_overload(func: Any) -> bool:

@@ -106,7 +106,7 @@ class TorchFunction:
         self._entries: dict[tuple[Any, ...], Entry] = {}
         self._identity_keys: list[tuple[Any, ...]] = []
         # Per code object: how many distinct function objects of it were traced, and the last.
-        self._retraces: dict[Any, tuple[int, int]] = {}
+        self._retraces: dict[Any, tuple[int, int, int]] = {}
         self._lock = threading.RLock()
         self._counter = TraceCounter()
         self._uid = _custom_op.register(self) if compilable else ""
@@ -335,15 +335,17 @@ class TorchFunction:
     def _note_retrace(self, identities: list[FunctionIdentity]) -> None:
         """Warns (once per code object) when new function objects keep being traced.
 
-        A new shape for the same function object is an ordinary trace, not counted.
+        A new shape for the same function object is an ordinary trace, not counted; nor is a
+        function that reads another object than the last one did (a closure over another
+        model is another function, not the same one re-created).
         """
         for identity in identities:
             code = identity.code()
-            count, last = self._retraces.get(code, (0, 0))
+            count, last, value = self._retraces.get(code, (0, 0, identity.value_id))
             if id(identity.fn) == last:
                 continue
-            count += 1
-            self._retraces[code] = (count, id(identity.fn))
+            count = count + 1 if value == identity.value_id else 1
+            self._retraces[code] = (count, id(identity.fn), identity.value_id)
             if count == _RETRACE_WARNING_AT:
                 where = (
                     f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"

@@ -78,7 +78,7 @@ def function_key(fn: Any) -> Any:
     try:
         key = _ValueKey(_function_parts(fn, walk), walk.keep)
     except _NotByValue as err:
-        return FunctionIdentity(fn, err.what, err.reader)
+        return FunctionIdentity(fn, err.what, err.reader, err.value_id)
     if plain and walk.functions == 1 and not walk.arrays:
         if len(_RECENT) >= _RECENT_MAX:
             del _RECENT[next(iter(_RECENT))]
@@ -132,12 +132,15 @@ class FunctionIdentity:
     `self`, a partial's argument).
     """
 
-    __slots__ = ("fn", "reader", "why")
+    __slots__ = ("fn", "reader", "value_id", "why")
 
-    def __init__(self, fn: Any, why: str, reader: types.CodeType | None = None) -> None:
+    def __init__(
+        self, fn: Any, why: str, reader: types.CodeType | None = None, value_id: int = 0
+    ) -> None:
         self.fn = fn
         self.why = why
         self.reader = reader
+        self.value_id = value_id  # id() of the value `why` names
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FunctionIdentity) and other.fn is self.fn
@@ -198,8 +201,9 @@ class _Walk:
 
 
 class _NotByValue(Exception):
-    def __init__(self, what: tuple[Any, ...]) -> None:
+    def __init__(self, what: tuple[Any, ...], value: Any) -> None:
         self.what = what[0].format(*what[1:])
+        self.value_id = id(value)
         self.reader: types.CodeType | None = None  # The innermost function that read it.
         super().__init__(self.what)
 
@@ -269,7 +273,7 @@ def _value(value: Any, what: tuple[Any, ...], walk: _Walk) -> Any:
     if _frozen_dataclass(value):
         fields = dataclasses.fields(value)
         return (kind, tuple(_value(getattr(value, f.name), what, walk) for f in fields))
-    raise _NotByValue(_with_type(what, kind))
+    raise _NotByValue(_with_type(what, kind), value)
 
 
 def _with_type(what: tuple[Any, ...], kind: type) -> tuple[Any, ...]:

@@ -16,7 +16,7 @@ import torch
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torchax as torchax_compat
 
-from ._environment import UnsupportedTorchOperation, environment, keyed
+from ._environment import UnsupportedTorchOperation, environment, keyed, traceable
 
 __all__ = ["FromTorch", "client_keys", "from_torch"]
 
@@ -85,7 +85,7 @@ class FromTorch:
         ):
             # Functionalized: torchax copies the results of view ops, so an in-place write
             # through a view (`h.view(-1).mul_(2)`) would otherwise be lost.
-            out = torch.func.functionalize(self.torch_fn, remove="mutations")(*t_args, **t_kwargs)
+            out = torch.func.functionalize(self._traced_fn, remove="mutations")(*t_args, **t_kwargs)
             out = jax.tree_util.tree_map(lambda x: _to_jax(x, self, tx, env), out)
         after = list(originals)
         for n, ((path, _), original, tensor) in enumerate(
@@ -118,6 +118,12 @@ class FromTorch:
         if self.mutable_one:
             return out, new_args[self.mutable[0]]
         return out, tuple(new_args[i] for i in self.mutable)
+
+    def _traced_fn(self, *args: Any, **kwargs: Any) -> Any:
+        """The torch function on its arguments' functionalization wrappers, each answering
+        `.jax()` as a torchax tensor does (libraries ask it whether they are being traced)."""
+        traceable((args, kwargs))
+        return self.torch_fn(*args, **kwargs)
 
 
 def _position(path: tuple[Any, ...]) -> int | None:

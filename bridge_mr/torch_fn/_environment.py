@@ -19,6 +19,8 @@ import functools
 import os
 import threading
 import traceback
+import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +36,7 @@ __all__ = [
     "UnsupportedTorchOperation",
     "environment",
     "keyed",
+    "traceable",
     "user_line",
 ]
 
@@ -149,6 +152,15 @@ def _strict_dispatch(
     ]
     if foreign and len(foreign) < len(tensors):
         t = foreign[0]
+        if t.device.type == "meta":
+            raise UnsupportedTorchOperation(
+                f"{_op_name(func)} at {user_line()} mixes a meta torch tensor of shape "
+                f"{tuple(t.shape)}, made inside the function, with the values it traces: "
+                f"bridge_mr.from_torch created that tensor on torch's meta device instead of as "
+                f"a JAX value. This is a gap in bridge_mr, not a mistake in your code; please "
+                f"report it with this message. Workaround: create the tensor with an explicit "
+                f"torch factory (torch.zeros, torch.arange, torch.tensor, ...) instead."
+            )
         raise UnsupportedTorchOperation(
             f"{_op_name(func)} at {user_line()} mixes a {t.device.type} torch tensor of shape "
             f"{tuple(t.shape)} that the function did not receive as an argument with the values "
@@ -159,14 +171,44 @@ def _strict_dispatch(
             f"inside the function."
         )
     if func in _DEVICE_MOVES:
-        return _move(func, args, kwargs or {})
+        return traceable(_move(func, args, kwargs or {}))
+    if kwargs and kwargs.get("device") is not None:
+        # Every value inside is JAX's: a device taken from a traced tensor (a functionalization
+        # wrapper reports "meta"), "cpu" or "cuda" all mean a JAX value.
+        kwargs = {**kwargs, "device": _JAX}
+    if func is torch.Tensor.new_tensor:
+        # torch's own makes a CPU tensor and moves it to its argument's device (meta, above).
+        data = args[1] if len(args) > 1 else (kwargs or {})["data"]
+        dtype = (kwargs or {}).get("dtype") or args[0].dtype
+        return _strict_dispatch(
+            tx, dispatch, torch.tensor, (), (data,), {"dtype": dtype, "device": _JAX}
+        )
     if not aten and any(torch_compat.is_functional_tensor(t) for t in tensors):
         # Functionalization's wrappers report the meta device and hold no values: torchax's own
         # handling of a Python-level function (`Tensor.to` copies its argument's storage) would
         # read them. Run the function itself: it reaches torchax again as ATen ops, unwrapped.
-        return func(*args, **(kwargs or {}))
+        return traceable(func(*args, **(kwargs or {})))
     try:
-        result = dispatch(func, types, args, kwargs)
+        if tensors:
+            result = dispatch(func, types, args, kwargs)
+        else:
+            with warnings.catch_warnings():
+                # A factory's int64 is torch's default integer dtype (torch.arange(n),
+                # torch.tensor(3)), not a request: integers are 32-bit inside while x64 is off.
+                warnings.filterwarnings("ignore", _INT64_TRUNCATED, UserWarning)
+                result = dispatch(func, types, args, kwargs)
+    except jax.errors.ConcretizationTypeError as error:
+        raise UnsupportedTorchOperation(
+            f"{_op_name(func)} at {user_line()} reads a traced value as a Python number or "
+            f"bool (.item(), bool(tensor), `if tensor:`, int(tensor), .tolist()). Inside "
+            f"bridge_mr.from_torch under jax.jit, grad, vmap or map_reduce, a value computed "
+            f"from the function's arguments is known only when the compiled program runs, so "
+            f"Python code cannot branch on it. Fix: express the choice with tensor ops "
+            f"(torch.where, masking) instead of Python control flow; in library code, pick the "
+            f"option that avoids this path (for transformers, pass the attention mask as a "
+            f"4-D float mask or choose another attn_implementation); or compute the value "
+            f"outside the converted function and pass it in as a Python number."
+        ) from error
     except tx.OperatorNotFound:
         if not aten:
             raise  # torchax decomposes a Python-level function into ATen ops next.
@@ -179,6 +221,41 @@ def _strict_dispatch(
     if not torch.is_grad_enabled():
         result = _without_gradient(tx, result)
     return result
+
+
+_INT64_TRUNCATED = "Explicitly requested dtype int64 requested in .* is not available"
+
+_JAX = "jax"  # torchax registers the device name when it is imported
+
+
+class _JaxValue:
+    """`tensor.jax()` for a functionalization wrapper: the JAX value it holds, as torchax's own
+    tensors answer. Libraries detect JAX tracing by calling it (transformers' `is_tracing`
+    takes its fast paths, which read values with `.item()`, only when the answer is no tracer).
+    Holds the wrapper weakly: it is stored on the wrapper itself."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = weakref.ref(tensor)
+
+    def __call__(self) -> Any:
+        tensor = self._tensor()
+        if tensor is None:
+            raise ReferenceError("the tensor of this .jax() is gone")
+        inner: Any = torch_compat.functional_inner(tensor)
+        tx = torchax_compat.import_torchax()
+        if isinstance(inner, tx.View):
+            inner = inner.torch()
+        return torchax_compat.value_of(inner)
+
+
+def traceable(tree: Any) -> Any:
+    """Gives each functionalization wrapper in `tree` a `.jax()` (see `_JaxValue`); returns it."""
+    for leaf in torch_pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and torch_compat.is_functional_tensor(leaf):
+            leaf.jax = _JaxValue(leaf)  # pyright: ignore[reportAttributeAccessIssue]
+    return tree
 
 
 #: Device moves: inside `from_torch` every value is JAX's, so a move keeps only its dtype part.

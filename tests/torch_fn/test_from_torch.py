@@ -707,3 +707,96 @@ def test_converting_the_same_function_again_on_every_call_warns() -> None:
     convert_and_call()
     with pytest.warns(bridge_mr.RetraceWarning, match=r"traced _models_loss at .* 3 times"):
         convert_and_call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors the torch code creates are JAX values, whatever device it names.
+
+
+def _factories(x: torch.Tensor, accelerator: str = "cuda") -> torch.Tensor:
+    """Factories as library code writes them: devices of traced tensors, "cpu", "cuda"."""
+    h = x * 2  # an intermediate: functionalization's wrapper of it reports the meta device
+    out = h + torch.arange(4, device=h.device) + torch.zeros(3, 4, device="cpu")
+    out = (
+        out + torch.ones(4, device=torch.device("cpu")) + torch.full((4,), 0.5, device=accelerator)
+    )
+    out = out + h.new_zeros(3, 4) + h.new_full((4,), 1.0) + h.new_ones(4) + h.new_empty(4).fill_(2)
+    out = out + h.new_tensor([1.0, 2.0, 3.0, 4.0]) + x.new_tensor(3.0)
+    out = out + torch.zeros_like(h, device="cpu") + torch.full_like(h, 2.0) + torch.ones_like(h)
+    out = out + torch.tensor(3.0, device=h.device) * torch.eye(4, device=h.device)[0]
+    out = out * torch.tensor(2, device=h.device) + torch.linspace(0, 1, 4, device=h.device)
+    keep = torch.triu(torch.ones(4, 4, dtype=torch.bool, device=h.device))[1]
+    out = torch.where(keep, out, torch.zeros((), device=h.device, dtype=h.dtype))
+    scale = torch.arange(4).to(h.device).to(device=h.device, dtype=h.dtype)
+    return (out * scale).sum(-1)
+
+
+def _in_torch(x: torch.Tensor) -> torch.Tensor:
+    return _factories(x, accelerator="cpu")  # torch itself has no CUDA here
+
+
+@pytest.mark.parametrize("transform", ["eager", "jit", "grad", "vmap", "scan"])
+def test_factories_with_any_device_are_jax_values(transform: str) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    fn = bridge_mr.from_torch(_factories)
+    jx = jnp.asarray(x.numpy())
+    if transform in ("eager", "jit"):
+        got = (jax.jit(fn) if transform == "jit" else fn)(jx)
+        _close(got, _in_torch(x), "factories")
+    elif transform == "grad":
+        got = jax.jit(jax.grad(lambda v: fn(v).sum()))(jx)
+        _close(got, torch.func.grad(lambda v: _in_torch(v).sum())(x), "factories' gradient")
+    elif transform == "vmap":
+        xs = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1))
+        got = jax.vmap(fn)(jnp.asarray(xs.numpy()))
+        _close(got, torch.stack([_in_torch(v) for v in xs]), "vmap of factories")
+    else:
+        xs = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1))
+        _, got = jax.lax.scan(lambda c, v: (c, fn(v)), 0, jnp.asarray(xs.numpy()))
+        _close(got, torch.stack([_in_torch(v) for v in xs]), "scan of factories")
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "per_client", "chunks", "auto"])
+def test_factories_with_any_device_work_under_every_map_reduce_strategy(strategy: str) -> None:
+    w = torch.randn(4, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    xs = torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(3))
+    fn = bridge_mr.from_torch(lambda w, x: (_factories(x * w) ** 2).mean())
+    chunks = {"chunk_size": 4} if strategy == "chunks" else {}
+    loss = bridge_mr.map_reduce(fn, w, xs, strategy=strategy, **chunks)
+    loss.backward()
+    reference = w.detach().clone().requires_grad_()
+    expected = torch.stack([(_in_torch(x * reference) ** 2).mean() for x in xs]).mean()
+    expected.backward()
+    _close(loss, expected, f"{strategy} loss")
+    _close(w.grad, reference.grad, f"{strategy} gradient")
+
+
+def test_a_python_bool_of_a_traced_value_names_the_line_and_the_way_out() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if (x > 0).all():  # a data-dependent Python branch
+            return x
+        return -x
+
+    x = jnp.ones(3)
+    np.testing.assert_array_equal(np.asarray(bridge_mr.from_torch(fn)(x)), np.ones(3))  # eager
+    with pytest.raises(
+        UnsupportedTorchOperation,
+        match=r"test_from_torch\.py:\d+ \(fn: if \(x > 0\)\.all\(\):.*reads a traced value as a "
+        r"Python number or bool.*torch\.where",
+    ):
+        jax.jit(bridge_mr.from_torch(fn))(x)
+
+
+def test_libraries_see_that_they_are_traced_under_jit_and_not_when_eager() -> None:
+    from transformers.utils.import_utils import is_tracing
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([
+            torch.tensor(float(is_tracing(x))),  # an argument
+            torch.tensor(float(is_tracing(x.bool()))),  # a result of a function-level op
+            torch.tensor(float(is_tracing(x.to(torch.int32)))),  # of a device move
+        ])  # fmt: skip
+
+    converted = bridge_mr.from_torch(fn)
+    np.testing.assert_array_equal(np.asarray(converted(jnp.ones(3))), [0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(np.asarray(jax.jit(converted)(jnp.ones(3))), [1.0, 1.0, 1.0])
