@@ -364,3 +364,68 @@ def client_loss(entry: ZooModel, model: nn.Module) -> Callable[..., Any]:
         return entry.loss(model, {**params, **buffers}, batch)
 
     return loss
+
+
+def timings(names: list[str], rounds: int = 5) -> list[dict[str, Any]]:
+    """Per model: the first call of `jax.jit(jax.value_and_grad(from_torch(loss)))` (trace and
+    compile), then `rounds` interleaved later calls of it and of a torch eager step (forward and
+    backward of the same loss), each round with the 1-minute load average beside it.
+
+    Run as `python -m benchmarks.zoo [NAME ...]`, which prints a markdown table.
+    """
+    import os
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    import bridge_mr
+
+    rows = []
+    for name in names:
+        entry = ZOO[name]
+        model = build(name)
+        params, buffers = split_state(model)
+        batch = entry.batch(torch.Generator().manual_seed(1), 4)
+        loss = client_loss(entry, model)
+        converted = bridge_mr.from_torch(loss, mutable=1 if entry.batch_norm else ())
+        step = jax.jit(jax.value_and_grad(converted, has_aux=entry.batch_norm))
+        args = jax.tree.map(lambda t: jnp.asarray(t.numpy()), (params, buffers, batch))
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        first = time.perf_counter() - start
+        ours, theirs, loads = [], [], []
+        for _ in range(rounds):
+            loads.append(os.getloadavg()[0])
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            ours.append(time.perf_counter() - start)
+            trainable = {k: v.clone().requires_grad_() for k, v in params.items()}
+            start = time.perf_counter()
+            loss(trainable, {k: v.clone() for k, v in buffers.items()}, batch).backward()
+            theirs.append(time.perf_counter() - start)
+        rows.append(
+            {
+                "name": name,
+                "first_call_s": first,
+                "step_ms": 1e3 * statistics.median(ours),
+                "torch_eager_ms": 1e3 * statistics.median(theirs),
+                "load_1min": max(loads),
+            }
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    print("| model | first call (s) | later step (ms) | torch eager (ms) | ratio | load |")
+    print("|---|---|---|---|---|---|")
+    for row in timings(sys.argv[1:] or list(ZOO)):
+        print(
+            f"| `{row['name']}` | {row['first_call_s']:.1f} | {row['step_ms']:.1f} | "
+            f"{row['torch_eager_ms']:.1f} | {row['step_ms'] / row['torch_eager_ms']:.2f} | "
+            f"{row['load_1min']:.2f} |",
+            flush=True,
+        )
