@@ -33,11 +33,15 @@ _WORKER = textwrap.dedent(
     clients = jax.make_array_from_process_local_data(NamedSharding(mesh, P("clients")), local)
     total = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))(clients)
     again = bridge_mr.distributed.initialize(heartbeat_timeout_seconds=10)
-    print(
+    fields = (
         "RESULT", process.rank, process.world_size, process.local_rank, jax.process_count(),
         jax.device_count(), np.asarray(total.addressable_data(0)).tolist(), again is process,
-        torch.distributed.is_initialized(), flush=True,
+        torch.distributed.is_initialized(),
     )
+    # One write of one line: the two ranks share the pipe, and print() of several arguments
+    # writes them piece by piece, which interleaved the ranks' lines on a loaded machine.
+    sys.stdout.write(" ".join(map(str, fields)) + "\n")
+    sys.stdout.flush()
     """
 )
 
