@@ -3,6 +3,7 @@
 | layer (`bridge_mr.`) | may import from bridge_mr | importing it loads |
 |---|---|---|
 | `_flags` | nothing | neither jax nor torch |
+| `_caches` (the cache registry) | nothing | neither jax nor torch |
 | `_compat` | nothing (each submodule: its own library only) | `_compat.jax`: jax, no torch |
 | `jax_core` | `_compat` | jax (never torch, torch_xla) |
 | top level | `jax_core`, `_flags`; `dlpack`, `torch_api`, `torch_fn`, `distributed` lazily | jax |
@@ -12,10 +13,14 @@
 | `torch_api` | `jax_core`, `dlpack`, `runners`, `distributed`, `_compat`, `_dtypes` | jax, torch |
 | `torch_fn` (`from_torch`) | `_compat` | jax, torch (torchax on first call) |
 | `distributed` | nothing | jax (no torch) |
-| `beam` | `jax_core`, `_compat` | jax, apache_beam (its `_worker`: jax only, tests/beam) |
+| `beam` | `jax_core`, `_compat` | jax (apache_beam on building a pipeline; `_worker`: jax only) |
 | `algorithms` | public names of `torch_api` and `jax_core` only | jax, torch (optax) |
 | `demo` | any public name | jax, torch |
 | `benchmarks/`, `examples/` | public names only, never the demo | |
+
+Every layer but `_flags`, `_compat`, `_dtypes`, `algorithms` and `demo` may also import `_caches`,
+where its module-level caches register. No module of bridge_mr is longer than `MAX_LINES` (500)
+lines.
 
 And, over every module of bridge_mr (module-level, `TYPE_CHECKING` and function-local imports
 alike):
@@ -50,7 +55,10 @@ PACKAGE = "bridge_mr"
 
 # The heavy libraries whose import the table restricts (jaxlib counts as jax).
 FRAMEWORKS = ("jax", "torch", "torch_xla", "apache_beam", "torchax")
-SHARED = frozenset({"_compat", "_dtypes", "_flags"})  # Private, imported by the layers above.
+# Private, imported by the layers above.
+SHARED = frozenset({"_caches", "_compat", "_dtypes", "_flags"})
+#: No module of bridge_mr is longer: a longer one has more than one job (split it at its seams).
+MAX_LINES = 500
 DEMO = "demo"
 
 
@@ -63,21 +71,24 @@ class Layer:
 
 LAYERS: dict[str, Layer] = {
     "_flags": Layer(frozenset()),
+    "_caches": Layer(frozenset()),
     "_compat": Layer(frozenset()),
-    "jax_core": Layer(frozenset({"_compat"})),
+    "jax_core": Layer(frozenset({"_compat", "_caches"})),
     "": Layer(
-        frozenset({"jax_core", "_flags"}),
+        frozenset({"jax_core", "_flags", "_caches"}),
         lazily=frozenset({"dlpack", "torch_api", "torch_fn", "distributed", "algorithms", "beam"}),
     ),
     "_dtypes": Layer(frozenset({"_compat"})),
-    "dlpack": Layer(frozenset({"_compat", "_dtypes"})),
-    "runners": Layer(frozenset({"dlpack", "jax_core", "distributed", "_compat", "_dtypes"})),
-    "torch_api": Layer(
-        frozenset({"jax_core", "dlpack", "runners", "distributed", "_compat", "_dtypes"})
+    "dlpack": Layer(frozenset({"_compat", "_dtypes", "_caches"})),
+    "runners": Layer(
+        frozenset({"dlpack", "jax_core", "distributed", "_compat", "_dtypes", "_caches"})
     ),
-    "torch_fn": Layer(frozenset({"_compat"})),
-    "distributed": Layer(frozenset()),
-    "beam": Layer(frozenset({"jax_core", "_compat"})),
+    "torch_api": Layer(
+        frozenset({"jax_core", "dlpack", "runners", "distributed", "_compat", "_dtypes", "_caches"})
+    ),
+    "torch_fn": Layer(frozenset({"_compat", "_caches"})),
+    "distributed": Layer(frozenset({"_caches"})),
+    "beam": Layer(frozenset({"jax_core", "_compat", "_caches"})),
     "algorithms": Layer(frozenset({"jax_core", "torch_api"}), public_only=True),
     DEMO: Layer(frozenset(), public_only=True),
 }
@@ -85,6 +96,7 @@ LAYERS: dict[str, Layer] = {
 # Module to import in a fresh interpreter -> the frameworks that import may load.
 LOADS: dict[str, frozenset[str]] = {
     "bridge_mr._flags": frozenset(),
+    "bridge_mr._caches": frozenset(),
     "bridge_mr._compat.jax": frozenset({"jax"}),
     "bridge_mr.jax_core": frozenset({"jax"}),
     "bridge_mr": frozenset({"jax"}),
@@ -94,7 +106,7 @@ LOADS: dict[str, frozenset[str]] = {
     "bridge_mr.torch_api": frozenset({"jax", "torch"}),
     "bridge_mr.torch_fn": frozenset({"jax", "torch"}),
     "bridge_mr.distributed": frozenset({"jax"}),
-    "bridge_mr.beam": frozenset({"jax", "apache_beam"}),
+    "bridge_mr.beam": frozenset({"jax"}),  # apache_beam when a pipeline is built
     "bridge_mr.algorithms": frozenset({"jax", "torch"}),
     "bridge_mr.demo": frozenset({"jax", "torch"}),
 }
@@ -383,3 +395,12 @@ def test_importing_a_layer_loads_only_what_the_table_allows(target: str) -> None
     extra_layers = set() if layer.public_only else layers - _loadable(own) - {own}
     assert not extra_frameworks, f"import {target} loaded {sorted(extra_frameworks)}"
     assert not extra_layers, f"import {target} loaded bridge_mr.{sorted(extra_layers)}"
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in sorted((ROOT / PACKAGE).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split each at its seams): {long}"

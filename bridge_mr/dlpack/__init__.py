@@ -2,7 +2,8 @@
 
 `to_jax` / `to_torch` convert pytrees; `import_tensors` / `export_arrays` are their flat-list
 forms for the torch frontend's hot path, and `jit_arguments` a faster `import_tensors` for the
-arguments of a jitted call; `count_conversions` reports conversions and copies.
+arguments of a jitted call; `tensor_avals` says what shapes and dtypes tensors cross as;
+`count_conversions` reports conversions and copies.
 
 Zero copy whenever the layout allows it: a compact (contiguous or permuted-dense), 64-byte
 aligned tensor of a dtype both sides share, on the same device. Otherwise exactly one copy,
@@ -22,6 +23,7 @@ Aliasing contract:
 * Deleting either side never invalidates the other: each keeps the shared buffer alive.
 """
 
+from ._avals import tensor_avals as tensor_avals
 from ._export import export_arrays as export_arrays
 from ._export import to_torch as to_torch
 from ._import import import_tensors as import_tensors
@@ -36,6 +38,7 @@ __all__ = [
     "export_arrays",
     "import_tensors",
     "jit_arguments",
+    "tensor_avals",
     "to_jax",
     "to_torch",
 ]

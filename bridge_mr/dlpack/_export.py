@@ -28,6 +28,12 @@ from ._stats import ACTIVE, record
 
 _GPU_PLATFORMS = ("gpu", "cuda")
 
+#: What the fast path of `_export_all` expects from an array it cannot export as it is, which
+#: `_export_one` then names: RuntimeError (jaxlib's `JaxRuntimeError` for a deleted or donated
+#: buffer or a dtype without a DLPack equivalent; torch's refusal of a capsule) and BufferError
+#: (DLPack's refusal to export a buffer). Any other exception is a bug, and propagates.
+_NOT_AS_IS = (RuntimeError, BufferError)
+
 
 def export_arrays(arrays: Sequence[jax.Array], *, sole_owner: bool = False) -> list[torch.Tensor]:
     """Converts JAX arrays to torch tensors, sharing memory where possible.
@@ -40,8 +46,19 @@ def export_arrays(arrays: Sequence[jax.Array], *, sole_owner: bool = False) -> l
     array while its tensor lives aborts the process (a jaxlib CHECK), so never pass arrays
     that user code can reach.
 
+    Args:
+      arrays: the JAX arrays.
+      sole_owner: promise that nobody calls `.delete()` on these array objects (see above).
+
+    Returns:
+      One torch tensor per array.
+
     Raises:
       TypeError: an element is not an exportable JAX array (the message names `arrays[i]`).
+
+    Example:
+      >>> bridge_mr.dlpack.export_arrays([jnp.arange(3.0), jnp.ones((2, 2), jnp.int32)])
+      [tensor([0., 1., 2.]), tensor([[1, 1], [1, 1]], dtype=torch.int32)]
     """
     to_tensor = _runtime.owned_array_to_tensor if sole_owner else _runtime.array_to_tensor
     return _export_all(arrays, _positional_name, to_tensor)
@@ -57,10 +74,26 @@ def to_torch(tree: Any) -> Any:
     device with one counted copy (`count_conversions`). The call returns once the array's
     producer has finished (CPU) or has been ordered before torch's current stream (CUDA).
 
+    Args:
+      tree: a pytree of JAX arrays and other leaves.
+
+    Returns:
+      `tree` with each JAX array replaced by its torch tensor.
+
     Raises:
       TypeError: a leaf cannot be exported (a tracer, a deleted or donated array, an array not
         fully addressable by this process, a TPU array, or a dtype torch lacks); the message
         names the leaf's path.
+
+    Example:
+      >>> bridge_mr.dlpack.to_torch({"step": 3, "w": jnp.arange(3.0)})
+      {'step': 3, 'w': tensor([0., 1., 2.])}
+      >>> mesh = jax.make_mesh((8,), ("clients",))
+      >>> sharded = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("clients")))
+      >>> with bridge_mr.dlpack.count_conversions() as stats:
+      ...     gathered = bridge_mr.dlpack.to_torch(sharded)  # on 8 devices: gathered, one copy
+      >>> gathered, stats.copies
+      (tensor([0., 1., 2., 3., 4., 5., 6., 7.]), 1)
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
@@ -90,7 +123,7 @@ def _export_all(
     single_device = _jax_compat.single_device
     for index, array in enumerate(arrays):
         # Fast path for single-device CPU and GPU arrays; anything else (including a failure
-        # here) is redone by `_export_one`, which gathers or explains.
+        # here that `_NOT_AS_IS` expects) is redone by `_export_one`, which gathers or explains.
         try:
             device = single_device(array)
             if device is not None:
@@ -101,7 +134,7 @@ def _export_all(
                 if stream is not None:
                     append(to_tensor(array, stream))
                     continue
-        except Exception:
+        except _NOT_AS_IS:
             pass
         append(_export_one(array, name_of, index, cuda_streams))
     if ACTIVE:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import torch
 
-from bridge_mr import _dtypes
+from bridge_mr import _caches, _dtypes
 from bridge_mr._compat import torch as _torch_compat
 
 from . import _runtime
@@ -73,6 +73,14 @@ def import_tensors(
       TypeError: an element is not a supported tensor (the message names `tensors[i]`).
       ValueError: an int64 / uint64 tensor holds a value outside int32 / uint32 while JAX's
         x64 mode is off.
+
+    Example:
+      >>> x = torch.arange(3.0)
+      >>> [array] = bridge_mr.dlpack.import_tensors([x])
+      >>> array, array.unsafe_buffer_pointer() == x.data_ptr()  # shares x's memory
+      (Array([0., 1., 2.], dtype=float32), True)
+      >>> bridge_mr.dlpack.import_tensors([torch.tensor([1, 2])])[0].dtype  # int64, x64 off
+      dtype('int32')
     """
     return _import_all(tensors, allow_x64_downcast, _positional_name)
 
@@ -108,6 +116,15 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
       ValueError: with x64 off, an int64 / uint64 tensor holds a value outside int32 / uint32;
         the message names the leaf's path, the value and the fixes.
       RuntimeError: a CUDA tensor was given but JAX has no GPU backend.
+
+    Example:
+      >>> bridge_mr.dlpack.to_jax({"step": 3, "w": torch.ones(2, requires_grad=True)})  # detached
+      {'step': 3, 'w': Array([1., 1.], dtype=float32)}
+      >>> bridge_mr.dlpack.to_jax(torch.zeros(2, dtype=torch.float64))  # x64 off
+      Traceback (most recent call last):
+      TypeError: ...float64...
+      >>> bridge_mr.dlpack.to_jax(torch.zeros(2, dtype=torch.float64), allow_x64_downcast=True)
+      Array([0., 0.], dtype=float32)
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -146,6 +163,14 @@ def jit_arguments(
       TypeError: an element is not a supported tensor (the message names it).
       ValueError: an int64 / uint64 tensor holds a value outside int32 / uint32 while JAX's
         x64 mode is off (the message names it).
+
+    Example:
+      >>> x = torch.arange(3.0)
+      >>> args = bridge_mr.dlpack.jit_arguments([x], names=["x"])
+      >>> type(args[0]).__name__  # on CPU: a numpy view of x, which jit places without a copy
+      'ndarray'
+      >>> jax.jit(jnp.sum)(*args)
+      Array(3., dtype=float32)
     """
     name_of = _positional_name if names is None else names.__getitem__
     if not _numpy_goes_to_cpu() or _host_transfers_guarded():
@@ -157,8 +182,8 @@ def jit_arguments(
             if tensor.dtype in _NUMPY_DTYPES and tensor.is_cpu and _shareable_as_is(tensor):
                 out.append(tensor.detach().numpy())
                 continue
-        except Exception:
-            pass
+        except _NOT_AS_IS:
+            pass  # `import_tensors` takes it: it converts, copies or names the tensor.
         out.append(None)
         imported.append(index)
     if imported:
@@ -169,6 +194,14 @@ def jit_arguments(
         record(imports=len(out) - len(imported))
     return out
 
+
+#: What the fast paths of `_import_all` and `jit_arguments` expect from a tensor they cannot
+#: share as it is, which `_import_one` then handles or names: AttributeError (not a tensor),
+#: KeyError (a dtype JAX lacks: `_shareable_as_is`), RuntimeError (torch: a tensor without
+#: storage, such as a `torch.func` wrapper, or a nested tensor; jaxlib's `JaxRuntimeError`: a
+#: buffer its backend refuses) and BufferError (DLPack's refusal to export a tensor). Any other
+#: exception is a bug, and propagates.
+_NOT_AS_IS = (AttributeError, KeyError, RuntimeError, BufferError)
 
 #: torch dtypes whose tensors `Tensor.numpy()` views (numpy has them; bfloat16 it has not).
 _NUMPY_DTYPES = frozenset(d for d in _FLAGS if _dtypes.DTYPES[d].numpy)
@@ -219,9 +252,9 @@ def _import_all(
     cpu = None
     cuda_ready: dict[int, tuple[Any, int | None]] = {}
     for index, tensor in enumerate(tensors):
-        # Fast path for row-major tensors. Anything else (including a failure here) is redone
-        # by `_import_one`, which shares permuted layouts, copies where needed, or raises an
-        # error that names the tensor.
+        # Fast path for row-major tensors. Anything else (including a failure here that
+        # `_NOT_AS_IS` expects) is redone by `_import_one`, which shares permuted layouts,
+        # copies where needed, or raises an error that names the tensor.
         try:
             on_cpu = tensor.is_cpu
             if (on_cpu or tensor.is_cuda) and _shareable_as_is(tensor):
@@ -239,7 +272,7 @@ def _import_all(
                     )
                     append(to_array(to_capsule(tensor), device, stream, _runtime.DL_CUDA))
                 continue
-        except Exception:
+        except _NOT_AS_IS:
             pass
         append(_import_one(tensor, allow_x64_downcast, name_of, index, cuda_ready))
     if ACTIVE:
@@ -305,7 +338,7 @@ def _import_one(
 
 #: Per torch device type: whether JAX reads permuted-dense (e.g. transposed) DLPack tensors
 #: correctly, found by `_probe_permuted_layouts` on first need.
-_PERMUTED_OK: dict[str, bool] = {}
+_PERMUTED_OK: dict[str, bool] = _caches.register("dlpack permuted layouts", {})
 
 
 def _permuted_layouts_ok(device: torch.device) -> bool:

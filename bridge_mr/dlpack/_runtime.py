@@ -16,6 +16,7 @@ import jax.extend.backend
 import torch
 import torch.utils.dlpack
 
+from bridge_mr import _caches
 from bridge_mr._compat import jax as _jax_compat
 from bridge_mr._compat import jaxlib as _jaxlib
 from bridge_mr._compat import torch as _torch_compat
@@ -63,15 +64,16 @@ def owned_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
 
 # Devices and the default platform, looked up once per set of backends: `clear_backends()`
 # replaces the backends dict the cache was filled from.
-_cache: dict[Any, Any] = {}
-_cache_owner: list[object] = [None]
+_cache: dict[Any, Any] = _caches.register("dlpack devices", {})
+_cache_generation: object = None  # The backends `_cache` was filled from.
 
 
 def _current_cache() -> dict[Any, Any]:
+    global _cache_generation
     generation = _jax_compat.backends_generation()
-    if generation is not _cache_owner[0]:
+    if generation is not _cache_generation:
         _cache.clear()
-        _cache_owner[0] = generation
+        _cache_generation = generation
     return _cache
 
 

@@ -22,6 +22,12 @@ class ConversionStats:
       exports: JAX arrays converted to torch tensors.
       copies: conversions that had to copy the data instead of sharing it.
       bytes_copied: bytes written by those copies.
+
+    Example:
+      >>> with bridge_mr.dlpack.count_conversions() as stats:
+      ...     _ = bridge_mr.dlpack.to_jax(torch.ones(3))  # contiguous: shared, not copied
+      >>> stats
+      ConversionStats(imports=1, exports=0, copies=0, bytes_copied=0)
     """
 
     imports: int = 0
@@ -36,10 +42,18 @@ def count_conversions() -> Iterator[ConversionStats]:
 
     Blocks may nest; each one sees the conversions made while it is open.
 
+    Yields:
+      The block's `ConversionStats`, updated as conversions happen.
+
     Example:
+      >>> from bridge_mr.dlpack import count_conversions, to_jax
+      >>> x = torch.arange(16.0).reshape(4, 4)
       >>> with count_conversions() as stats:
-      ...     arrays = to_jax(tensors)
-      >>> assert stats.copies == 0
+      ...     shared = to_jax(x)  # contiguous: shared
+      ...     with count_conversions() as inner:
+      ...         copied = to_jax(x[:, ::2])  # every other column: one copy of 8 floats
+      >>> stats.imports, stats.copies, stats.bytes_copied, inner.imports
+      (2, 1, 32, 1)
     """
     stats = ConversionStats()
     with _LOCK:

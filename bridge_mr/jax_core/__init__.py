@@ -5,10 +5,14 @@ from ._api import map_fn as map_fn
 from ._api import reduce_mean as reduce_mean
 from ._api import reduce_sum as reduce_sum
 from ._api import reduce_weighted_mean as reduce_weighted_mean
+from ._arguments import STRATEGIES as STRATEGIES
+from ._arguments import check_strategy as check_strategy
+from ._arguments import client_count as client_count
 from ._layouts import canonical_layouts as canonical_layouts
 from ._layouts import cpu_compiler_options as cpu_compiler_options
 from ._map_reduce import map_reduce as map_reduce
 from ._mesh import ambient_mesh as ambient_mesh
+from ._mesh import check_mesh as check_mesh
 from ._primitives import broadcast_p as broadcast_p
 from ._primitives import mean_p as mean_p
 from ._primitives import sum_p as sum_p
@@ -17,11 +21,15 @@ from ._program import current_placement as current_placement
 from ._program import program as program
 
 __all__ = [
+    "STRATEGIES",
     "Placement",
     "ambient_mesh",
     "broadcast",
     "broadcast_p",
     "canonical_layouts",
+    "check_mesh",
+    "check_strategy",
+    "client_count",
     "cpu_compiler_options",
     "current_placement",
     "map_fn",

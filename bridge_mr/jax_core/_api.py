@@ -80,10 +80,12 @@ def broadcast(x: PyTree, *, mesh: AnyMesh | None = None) -> PyTree:
         TypeError: A leaf is not convertible to a JAX array, or `mesh` is not a mesh.
         ValueError: An Explicit placement axis of the mesh does not divide the placement size.
 
-    Example::
-
-        with program(placements={"clients": 8}):
-            placed = broadcast({"w": jnp.ones((3, 2))})  # {"w": f32[8, 3, 2]}
+    Example:
+        >>> from bridge_mr import jax_core as mr
+        >>> with mr.program(placements={"clients": 8}):
+        ...     placed = mr.broadcast({"w": jnp.ones((3, 2))})
+        >>> placed["w"].shape, placed["w"].dtype
+        ((8, 3, 2), dtype('float32'))
     """
     placement = require_placement("broadcast")
     broadcasts = require_broadcasts("broadcast")
@@ -132,10 +134,12 @@ def reduce_sum(x: PyTree) -> PyTree:
         RuntimeError: Outside any `program`.
         ValueError: A leaf is 0-d or its leading dimension is not the placement size.
 
-    Example::
-
-        with program(placements={"clients": 3}):
-            reduce_sum(jnp.arange(6.0).reshape(3, 2))  # [6., 9.]
+    Example:
+        >>> from bridge_mr import jax_core as mr
+        >>> with mr.program(placements={"clients": 3}):
+        ...     total = mr.reduce_sum(jnp.arange(6.0).reshape(3, 2))  # rows [0, 1], [2, 3], [4, 5]
+        >>> total
+        Array([6., 9.], dtype=float32)
     """
     return _reduce(_primitives.placed_sum, x, "reduce_sum")
 
@@ -153,10 +157,12 @@ def reduce_mean(x: PyTree) -> PyTree:
         RuntimeError: Outside any `program`.
         ValueError: A leaf is 0-d or its leading dimension is not the placement size.
 
-    Example::
-
-        with program(placements={"clients": 3}):
-            reduce_mean(jnp.arange(6.0).reshape(3, 2))  # [2., 3.]
+    Example:
+        >>> from bridge_mr import jax_core as mr
+        >>> with mr.program(placements={"clients": 3}):
+        ...     mean = mr.reduce_mean(jnp.arange(6.0).reshape(3, 2))  # rows [0, 1], [2, 3], [4, 5]
+        >>> mean
+        Array([2., 3.], dtype=float32)
     """
     return _reduce(_primitives.placed_mean, x, "reduce_mean")
 
@@ -190,10 +196,12 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
         ValueError: A leading dimension is not the placement size, `w` has neither one leaf
             nor the structure of `x`, or a weight slice has more dimensions than its value's.
 
-    Example::
-
-        with program(placements={"clients": 2}):
-            reduce_weighted_mean(jnp.asarray([1.0, 4.0]), jnp.asarray([3.0, 1.0]))  # 1.75
+    Example:
+        >>> from bridge_mr import jax_core as mr
+        >>> with mr.program(placements={"clients": 2}):
+        ...     mean = mr.reduce_weighted_mean(jnp.asarray([1.0, 4.0]), jnp.asarray([3.0, 1.0]))
+        >>> mean  # (1 * 3 + 4 * 1) / (3 + 1)
+        Array(1.75, dtype=float32)
     """
     placement = require_placement("reduce_weighted_mean")
     # The sums' mesh errors then name reduce_weighted_mean.
@@ -281,10 +289,14 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
         ValueError: A leaf's leading dimension is not the placement size, or an Explicit
             placement axis of the mesh does not divide it.
 
-    Example::
-
-        with program(placements={"clients": 3}):
-            norms = map_fn(jnp.linalg.norm, jnp.ones((3, 4)))  # [2., 2., 2.]
+    Example:
+        >>> from bridge_mr import jax_core as mr
+        >>> with mr.program(placements={"clients": 3}):
+        ...     norms = mr.map_fn(jnp.linalg.norm, jnp.ones((3, 4)))
+        ...     w = mr.broadcast(jnp.float32(2.0))  # enters the map unbatched
+        ...     scaled = mr.map_fn(jnp.multiply, (w, norms))  # a tuple: fn(w_i, norms_i)
+        >>> norms, scaled
+        (Array([2., 2., 2.], dtype=float32), Array([4., 4., 4.], dtype=float32))
     """
     placement = require_placement("map_fn")
     if not callable(fn):

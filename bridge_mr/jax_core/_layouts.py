@@ -59,9 +59,16 @@ def canonical_layouts(fn: F) -> F:
       Whatever tracing `fn` raises.
 
     Example:
-      >>> def steps(params, batches):  # convolutions in NCHW, inside a rolled scan
-      ...     return jax.lax.scan(sgd_step, params, batches)[0]
-      >>> fast = jax.jit(canonical_layouts(steps))
+      >>> from bridge_mr.jax_core import canonical_layouts
+      >>> def convolve(w, xs):  # NCHW / OIHW convolutions, inside a rolled scan
+      ...     conv = lambda x: jax.lax.conv(x, w, window_strides=(1, 1), padding="SAME")
+      ...     return jax.lax.scan(lambda carry, x: (carry, conv(x)), None, xs)[1]
+      >>> w, xs = jnp.ones((4, 3, 3, 3)), jnp.ones((2, 1, 3, 8, 8))  # 2 steps of [1, 3, 8, 8]
+      >>> fast = jax.jit(canonical_layouts(convolve))
+      >>> bool(jnp.allclose(fast(w, xs), jax.jit(convolve)(w, xs)))  # the same values
+      True
+      >>> "transpose" in str(jax.make_jaxpr(canonical_layouts(convolve))(w, xs))
+      True
     """
 
     @functools.wraps(fn)
@@ -90,8 +97,15 @@ def cpu_compiler_options(jaxpr: core.ClosedJaxpr | core.Jaxpr) -> dict[str, str]
       dict (empty: nothing to override).
 
     Example:
-      >>> traced = jax.jit(fedavg_round).trace(params, data)
-      >>> compiled = traced.lower().compile(cpu_compiler_options(traced.jaxpr))
+      >>> from bridge_mr.jax_core import cpu_compiler_options
+      >>> conv = lambda x, w: jax.lax.conv(x, w, window_strides=(1, 1), padding="SAME")
+      >>> traced = jax.jit(conv).trace(jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3)))
+      >>> options = cpu_compiler_options(traced.jaxpr)
+      >>> options
+      {'xla_cpu_experimental_ynn_fusion_type': ''}
+      >>> compiled = traced.lower().compile(options)
+      >>> cpu_compiler_options(jax.make_jaxpr(jnp.sin)(1.0))  # no convolution: nothing to set
+      {}
     """
     found = _has_convolution(jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr)
     return dict(_NO_YNN_FUSIONS) if found else {}

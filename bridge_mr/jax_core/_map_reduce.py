@@ -29,20 +29,26 @@ from typing import Any, Literal, TypeAlias
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _primitives
 from ._api import broadcast, map_fn, reduce_mean, reduce_sum, reduce_weighted_mean
+from ._arguments import (
+    ArrayResults,
+    check_arguments,
+    check_loopable,
+    check_server,
+    check_weights,
+    client_count,
+)
 from ._layouts import canonical_layouts
-from ._mesh import AnyMesh, axis_type, placement_mesh
+from ._mesh import AnyMesh, placement_mesh
 from ._program import Placement, program
 
 PyTree: TypeAlias = Any
 Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
 Strategy: TypeAlias = Literal["vmap", "per_client", "chunks"]
-REDUCTIONS: tuple[str, ...] = ("mean", "sum", "weighted_mean")
-STRATEGIES: tuple[str, ...] = ("vmap", "per_client", "chunks")
 
 
 def map_reduce(
@@ -93,28 +99,35 @@ def map_reduce(
         ValueError: A bad `reduce`, `strategy`, `chunk_size` or `weights`, no clients, clients
             that disagree on their count, "per_client" / "chunks" with a symbolic client count
             or an Explicit placement axis.
-        TypeError: `fn` is not callable or returns non-arrays, or a leaf is not an array.
+        TypeError: `fn` is not callable or returns non-arrays, a leaf is not an array, or `mesh`
+            is not a mesh.
 
-    Example::
-
-        delta = map_reduce(local_sgd, params, {"x": xs, "y": ys}, strategy="chunks",
-                           chunk_size=32)  # xs: [n, ...]; memory of 32 clients
+    Example:
+        >>> from bridge_mr import jax_core as mr
+        >>> xs = jnp.arange(10.0).reshape(5, 2)  # 5 clients, 2 values each
+        >>> scaled_sum = lambda w, x: jnp.sum(w * x)  # fn(server, one client's slice)
+        >>> mr.map_reduce(scaled_sum, jnp.float32(2.0), xs)  # strategy="vmap": all at once
+        Array(18., dtype=float32)
+        >>> mr.map_reduce(scaled_sum, jnp.float32(2.0), xs, strategy="chunks", chunk_size=2)
+        Array(18., dtype=float32)
+        >>> mr.map_reduce(scaled_sum, jnp.float32(2.0), xs, reduce="sum", strategy="per_client")
+        Array(90., dtype=float32)
     """
-    _check_arguments(fn, reduce, weights, placement, strategy, chunk_size)
-    n = _client_count(clients)
-    _check_server(server)
+    check_arguments(fn, reduce, weights, placement, mesh, strategy, chunk_size)
+    n = client_count(clients)
+    check_server(server)
     if weights is not None:
-        _check_weights(weights, n)
-    client_fn = _ArrayResults(fn)
+        check_weights(weights, n)
+    client_fn = ArrayResults(fn)
     if jax.default_backend() == "cpu":
         client_fn = canonical_layouts(client_fn)
     with program(placements={placement: n}) as where:
         if strategy == "vmap":
             return _vmapped(client_fn, server, clients, weights, reduce, mesh)
         placed_on = placement_mesh(mesh, where, caller="map_reduce")
-        _check_loopable(where, placed_on, strategy)
+        check_loopable(where, placed_on, strategy)
         if strategy == "chunks":
-            assert chunk_size is not None  # _check_arguments insists.
+            assert chunk_size is not None  # check_arguments insists.
             size, batched = min(chunk_size, n), True
         elif placed_on is not None:
             size, batched = min(placed_on.shape[placement], n), True
@@ -123,78 +136,6 @@ def map_reduce(
         server = jax.tree.map(jnp.asarray, server)  # Arrays, as `broadcast` makes them.
         return _looped(
             client_fn, server, clients, weights, reduce, where, (mesh, placed_on), size, batched
-        )
-
-
-def _check_arguments(
-    fn: Any, reduce: Any, weights: Any, placement: Any, strategy: Any, chunk_size: Any
-) -> None:
-    if reduce not in REDUCTIONS:
-        raise ValueError(
-            f"map_reduce(reduce=...): expected one of {', '.join(map(repr, REDUCTIONS))}; got "
-            f"{reduce!r}."
-        )
-    if reduce == "weighted_mean" and weights is None:
-        raise ValueError(
-            "map_reduce(reduce='weighted_mean') needs weights=: one weight per client (a "
-            "tensor of shape [n_clients]), e.g. the clients' example counts."
-        )
-    if reduce != "weighted_mean" and weights is not None:
-        raise ValueError(
-            f"map_reduce(weights=...) was given with reduce={reduce!r}, which ignores weights. "
-            "Pass reduce='weighted_mean' to use them, or drop weights."
-        )
-    if not callable(fn):
-        raise TypeError(
-            f"map_reduce(fn, ...): fn must be a JAX function of (server, client); got "
-            f"{type(fn).__name__}: {fn!r}."
-        )
-    if not isinstance(placement, str) or not placement:
-        raise TypeError(
-            f"map_reduce(placement=...): expected a non-empty str such as 'clients'; got "
-            f"{type(placement).__name__}: {placement!r}."
-        )
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(
-            f"map_reduce(strategy=...): expected one of {', '.join(map(repr, STRATEGIES))}; "
-            f"got {strategy!r}."
-        )
-    if strategy == "chunks":
-        _check_chunk_size(chunk_size)
-    elif chunk_size is not None:
-        raise ValueError(
-            f"map_reduce(chunk_size={chunk_size!r}) is only for strategy='chunks' (got "
-            f"strategy={strategy!r}). Pass strategy='chunks' with it, or drop chunk_size."
-        )
-
-
-def _check_chunk_size(chunk_size: Any) -> None:
-    """Raises, naming the argument, unless `chunk_size` is a positive int."""
-    try:
-        size = operator.index(chunk_size)
-    except TypeError:
-        size = None
-    if size is None or isinstance(chunk_size, bool) or size <= 0:
-        raise ValueError(
-            "map_reduce(chunk_size=...): strategy='chunks' needs a positive int, the number of "
-            f"clients run at once (e.g. chunk_size=32); got {type(chunk_size).__name__}: "
-            f"{chunk_size!r}."
-        )
-
-
-def _check_loopable(where: Placement, mesh: AnyMesh | None, strategy: str) -> None:
-    if jax.export.is_symbolic_dim(where.size):
-        raise ValueError(
-            f"map_reduce(strategy={strategy!r}) needs a concrete number of {where.name} to loop "
-            f"over; got the symbolic size {where.size}. Use strategy='vmap' for a program "
-            "exported for any client count."
-        )
-    if mesh is not None and axis_type(mesh, where.name) == AxisType.Explicit:
-        raise ValueError(
-            f"map_reduce(strategy={strategy!r}) does not support the Explicit mesh axis "
-            f"{where.name!r} (mesh axes {dict(mesh.shape)}): a loop over {where.name} cannot "
-            f"keep every value typed sharded along it. Use strategy='vmap', or make the "
-            f"{where.name!r} axis Auto (axis_types=(jax.sharding.AxisType.Auto, ...))."
         )
 
 
@@ -239,7 +180,7 @@ def _looped(
     """
     mesh, placed_on = meshes
     n = where.size
-    assert isinstance(n, int)  # _check_loopable refused symbolic sizes.
+    assert isinstance(n, int)  # check_loopable refused symbolic sizes.
     steps = -(-n // size)
     padded = steps * size
 
@@ -376,93 +317,3 @@ def _accumulator(dtype: Any) -> Any:
 def _left_aligned(w: jax.Array, x: jax.Array) -> jax.Array:
     """`w` with trailing unit dimensions, to scale `x` slice by slice from the left."""
     return w.reshape(w.shape + (1,) * (x.ndim - w.ndim))
-
-
-class _ArrayResults:
-    """Calls the client function, insisting that it returns arrays only."""
-
-    def __init__(self, fn: Callable[[PyTree, PyTree], PyTree]) -> None:
-        self._fn = fn
-
-    def __call__(self, server: PyTree, client: PyTree) -> PyTree:
-        result = self._fn(server, client)
-        path_leaves = jax.tree_util.tree_flatten_with_path(result)[0]
-        if not path_leaves:
-            raise TypeError(
-                f"map_reduce(fn): fn returned {result!r}, which holds no arrays; it must return "
-                "a JAX array or a pytree of them (the client's loss, its model delta, ...). "
-                "Did fn forget a `return`?"
-            )
-        for path, leaf in path_leaves:
-            if not isinstance(leaf, jax.Array):
-                raise TypeError(
-                    f"map_reduce(fn): fn returned a non-array leaf at "
-                    f"result{jax.tree_util.keystr(path)}: expected a JAX array, got "
-                    f"{type(leaf).__name__}: {leaf!r}. Return jnp arrays (jnp.asarray(value))."
-                )
-        return result
-
-
-def _check_server(server: PyTree) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(server)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
-            raise TypeError(
-                f"map_reduce(server): server{jax.tree_util.keystr(path)} is a "
-                f"{type(leaf).__name__} ({leaf!r}); every server leaf is broadcast to the "
-                "clients, so it must be an array (a torch tensor through bridge_mr.map_reduce) "
-                "or a number. Give fn other settings by closing over them "
-                "(functools.partial(fn, ...) or a lambda), not in server."
-            )
-
-
-def _client_count(clients: PyTree) -> Any:
-    """The clients' common leading dimension (an int, or a symbolic dimension)."""
-    path_leaves = jax.tree_util.tree_flatten_with_path(clients)[0]
-    if not path_leaves:
-        raise ValueError(
-            "map_reduce(clients): expected a pytree of tensors with the clients axis first; got "
-            "no tensors at all, so the number of clients is unknown."
-        )
-    sizes: dict[Any, list[str]] = {}
-    for path, leaf in path_leaves:
-        name = "clients" + jax.tree_util.keystr(path)
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            raise TypeError(
-                f"map_reduce(clients): {name} is a {type(leaf).__name__} ({leaf!r}); every "
-                "client leaf must be an array (a torch tensor through bridge_mr.map_reduce) "
-                "with the clients axis first (shape [n_clients, ...]). Give fn other settings "
-                "by closing over them instead."
-            )
-        shape = leaf.shape
-        if len(shape) == 0:
-            raise ValueError(
-                f"map_reduce(clients): {name} has shape {shape}; every client leaf needs the "
-                "clients axis first (shape [n_clients, ...])."
-            )
-        sizes.setdefault(shape[0], []).append(f"{name} {tuple(shape)}")
-    if len(sizes) > 1:
-        listing = "; ".join(f"{n}: {', '.join(names[:3])}" for n, names in sizes.items())
-        raise ValueError(
-            "map_reduce(clients): the leaves disagree on the number of clients (their leading "
-            f"dimension): {listing}. Every client leaf must have the clients axis first, with "
-            "the same size."
-        )
-    (n,) = sizes
-    if not jax.export.is_symbolic_dim(n) and n == 0:
-        raise ValueError(
-            f"map_reduce(clients): the clients axis is empty ({', '.join(sizes[0][:3])}): "
-            "there are no clients to map over, and a mean over none is undefined. Pass at least "
-            "one client, or skip the round when the sampled cohort is empty."
-        )
-    return n
-
-
-def _check_weights(weights: PyTree, n: Any) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]:
-        shape = tuple(getattr(leaf, "shape", ()))
-        if not shape or shape[0] != n:
-            raise ValueError(
-                f"map_reduce(weights): weights{jax.tree_util.keystr(path)} has shape {shape}; "
-                f"expected one weight per client, shape ({n},) (or [{n}, ...] shaped like fn's "
-                "output)."
-            )

@@ -23,6 +23,16 @@ def ambient_mesh() -> AnyMesh | None:
 
     Returns:
       A `Mesh` or `AbstractMesh`, or None when no mesh is set.
+
+    Example:
+      >>> from bridge_mr.jax_core import ambient_mesh
+      >>> ambient_mesh() is None  # no mesh set
+      True
+      >>> mesh = jax.make_mesh((8,), ("clients",))
+      >>> with jax.set_mesh(mesh):
+      ...     found = ambient_mesh()
+      >>> found == mesh
+      True
     """
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty:
@@ -43,15 +53,10 @@ def placement_mesh(mesh: AnyMesh | None, placement: Placement, *, caller: str) -
     values are already local to one shard. An Explicit placement axis must divide the placement
     size, since Explicit shardings are even.
     """
-    if mesh is None:
+    if check_mesh(mesh, caller=caller, placement=placement.name) is None:
         mesh, source = ambient_mesh(), "the mesh set with jax.set_mesh (or `with mesh:`)"
-    elif isinstance(mesh, (Mesh, AbstractMesh)):
-        source = f"the mesh passed as {caller}(mesh=...)"
     else:
-        raise TypeError(
-            f"{caller}(mesh=...) expects a jax.sharding.Mesh or AbstractMesh (or None for the "
-            f"mesh set with jax.set_mesh); got {type(mesh).__name__}: {mesh!r}."
-        )
+        source = f"the mesh passed as {caller}(mesh=...)"
     if mesh is None or mesh.empty or placement.name not in mesh.axis_names:
         return None
     kind = axis_type(mesh, placement.name)
@@ -78,6 +83,36 @@ def placement_mesh(mesh: AnyMesh | None, placement: Placement, *, caller: str) -
             "(axis_types=(jax.sharding.AxisType.Auto, ...)), which allows uneven sharding."
         )
     return mesh
+
+
+def check_mesh(mesh: object, *, caller: str, placement: str) -> AnyMesh | None:
+    """Returns `mesh` (the `mesh=` argument of `caller`) if it is a mesh or None, else raises.
+
+    Args:
+      mesh: what the caller passed as `mesh=`.
+      caller: the public function it was passed to ("map_reduce", "broadcast", ...).
+      placement: the placement axis the mesh should have.
+
+    Returns:
+      `mesh`, a `Mesh` or `AbstractMesh`, or None.
+
+    Raises:
+      TypeError: `mesh` is neither None nor a mesh (e.g. an axis name); the message names the
+        argument, what it got and the fix.
+
+    Example:
+      >>> mesh = jax.make_mesh((1,), ("clients",))
+      >>> bridge_mr.jax_core.check_mesh(mesh, caller="map_reduce", placement="clients") is mesh
+      True
+    """
+    if mesh is None or isinstance(mesh, (Mesh, AbstractMesh)):
+        return mesh
+    raise TypeError(
+        f"{caller}(mesh=...): expected a jax.sharding.Mesh or AbstractMesh (with the placement "
+        f"axis {placement!r}), or None for the mesh set with jax.set_mesh; got "
+        f"{type(mesh).__name__} {mesh!r}. Fix: pass the mesh itself, not an axis name, e.g. "
+        f"mesh=jax.make_mesh((jax.device_count(),), ({placement!r},)), or drop mesh=."
+    )
 
 
 def axis_type(mesh: AnyMesh, name: str) -> AxisType:

@@ -30,6 +30,19 @@ class Placement:
 
     The size is a positive int, or a `jax.export` symbolic dimension (`n` in
     `n, = jax.export.symbolic_shape("n")`) for a program exported once for any count.
+
+    Attributes:
+        name: The name of the placed axis, e.g. "clients".
+        size: Its size: a positive int or a `jax.export` symbolic dimension.
+
+    Example:
+        >>> with bridge_mr.program(placements={"clients": 8}) as placement:
+        ...     pass
+        >>> placement
+        Placement(name='clients', size=8)
+        >>> n, = jax.export.symbolic_shape("n")
+        >>> bridge_mr.Placement("clients", n).size
+        n
     """
 
     name: str
@@ -101,10 +114,13 @@ def current_placement() -> Placement | None:
     Returns:
         Its `Placement`, or None outside any program.
 
-    Example::
-
-        with program(clients=8):
-            assert current_placement() == Placement("clients", 8)
+    Example:
+        >>> bridge_mr.current_placement() is None  # outside any program
+        True
+        >>> with bridge_mr.program(clients=8):
+        ...     inside = bridge_mr.current_placement()
+        >>> inside == bridge_mr.Placement("clients", 8)
+        True
     """
     scope = _ACTIVE.get()
     return None if scope is None else scope.placement
@@ -185,25 +201,13 @@ def _validate_size(name: str, size: Any) -> Size:
 class program:  # Lower-case like a function, as in drjax.
     """Activates a placement for `broadcast`, `map_fn` and the reductions.
 
-    Use as a decorator or as a context manager::
-
-        @bridge_mr.program(placements={"clients": 8})
-        def fedavg_round(params, data): ...
-
-        with bridge_mr.program(placements={"clients": 8}):
-            placed = bridge_mr.broadcast(params)
-
-    `program(clients=8)` is accepted as a shorthand, as in drjax. The placement lives in a
-    context variable: concurrent threads can run programs with different placements.
+    Use as a decorator or as a context manager (see the example). `program(clients=8)` is
+    accepted as a shorthand, as in drjax. The placement lives in a context variable: concurrent
+    threads can run programs with different placements.
 
     The size may be a `jax.export` symbolic dimension, to export one program for every
     client count. JAX solves the dimension from the exported function's input shapes, so some
-    input must carry it (typically the placed client data)::
-
-        n, = jax.export.symbolic_shape("n")
-        exported = jax.export.export(jax.jit(bridge_mr.program(clients=n)(fedavg_round)))(
-            params_spec, jax.ShapeDtypeStruct((n, 32, 10), jnp.float32))
-        exported.call(params, data_of_7_clients)  # any number of clients
+    input must carry it (typically the placed client data).
 
     Args:
         placements: One entry {name: size}: the placement's name (e.g. "clients") and size, a
@@ -215,6 +219,31 @@ class program:  # Lower-case like a function, as in drjax.
             `placements` and a keyword are given.
         ValueError: Not exactly one placement, or the size is not a positive int (bools,
             floats and strings are refused) nor a symbolic dimension that is always >= 1.
+
+    Example:
+        >>> @bridge_mr.program(placements={"clients": 8})  # as a decorator
+        ... def round_loss(params, batch):
+        ...     losses = bridge_mr.map_fn(jax_loss, (bridge_mr.broadcast(params), batch))
+        ...     return bridge_mr.reduce_mean(losses)
+        >>> round_loss(params, batch)
+        tensor(1., grad_fn=<...>)
+        >>> with bridge_mr.program(clients=8):  # as a context manager, with the shorthand
+        ...     placed = bridge_mr.broadcast(params)
+        >>> placed["w"].shape
+        torch.Size([8, 3])
+
+        Exported once for any number of clients (a symbolic size):
+
+        >>> from bridge_mr import jax_core as mr
+        >>> n, = jax.export.symbolic_shape("n")
+        >>> def total(data):  # data: [n, 3], one row per client
+        ...     return mr.reduce_sum(mr.map_fn(jnp.sum, data))
+        >>> exported = jax.export.export(jax.jit(bridge_mr.program(clients=n)(total)))(
+        ...     jax.ShapeDtypeStruct((n, 3), jnp.float32))
+        >>> exported.call(jnp.ones((7, 3)))  # 7 clients
+        Array(21., dtype=float32)
+        >>> exported.call(jnp.ones((2, 3)))  # 2 clients, the same program
+        Array(6., dtype=float32)
     """
 
     def __init__(self, placements: Mapping[str, Size] | None = None, **kwargs: Size) -> None:

@@ -36,17 +36,18 @@ import torch
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bridge_mr import _dtypes, jax_core
+from bridge_mr import _caches, _dtypes, jax_core
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch_xla as torch_xla_compat
-from bridge_mr._dtypes import Aval, jax_dtype
+from bridge_mr._dtypes import Aval
+from bridge_mr.dlpack import tensor_avals
 
 from ._protocols import Jitted
 
 # jax_fn -> {(input signature, JAX's trace context, the caller's JAX mesh, the lowering mesh):
 # embedded computation}. Weak in jax_fn so that functions (and what they close over) can be freed.
 _EMBEDDED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[Any, ...], Callable[..., Any]]]
-_EMBEDDED = weakref.WeakKeyDictionary()
+_EMBEDDED = _caches.register("torch-xla embedded computations", weakref.WeakKeyDictionary())
 
 _Embedded = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -137,10 +138,7 @@ def call_jax_on_xla(
     """
     tensors = list(tensors)
     _check_tensors(tensors)
-    avals = [
-        (tuple(t.shape), jax_dtype(t.dtype, where=f"tensors[{i}]", xla=True))
-        for i, t in enumerate(tensors)
-    ]
+    avals = list(tensor_avals(tensors, [_positional(i) for i in range(len(tensors))]))
     key = (
         tuple(avals),
         jax_compat.trace_context(),
@@ -202,6 +200,14 @@ def trace_context() -> Iterator[None]:
 
 # The last torch-xla mesh converted by torch_xla_global_mesh, and its conversion.
 _DERIVED: tuple[Any, AbstractMesh | None] = (None, None)
+
+
+def _forget_derived() -> None:
+    global _DERIVED
+    _DERIVED = (None, None)
+
+
+_caches.register_clear("torch-xla global mesh", _forget_derived)
 
 
 def torch_xla_global_mesh() -> AbstractMesh | None:

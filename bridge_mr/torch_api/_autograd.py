@@ -31,7 +31,7 @@ from ._traced import (
     Outputs,
     TracedCall,
     jvp_from_inputs,
-    residual_vjp,
+    residual_runner,
     vjp_from_inputs,
 )
 
@@ -74,22 +74,7 @@ class Backward:
         if self._runner is None:
             with self._lock:
                 if self._runner is None:
-                    traced = self._traced
-                    spec = traced.spec
-                    self._runner = runners.runner_for(
-                        spec.device_type,
-                        residual_vjp(traced),
-                        traced.cotangent_avals,
-                        len(spec.diff),
-                        spec.mesh,
-                        carried_avals=traced.extra_avals,
-                        compiler_options=traced.compiler_options,
-                        layout=spec.layout,
-                        in_per_rank=(False,) * len(traced.cotangent_avals) if spec.layout else (),
-                        out_per_rank=tuple(spec.per_rank[i] for i in spec.diff)
-                        if spec.layout
-                        else (),
-                    )
+                    self._runner = residual_runner(self._traced)
         return self._runner
 
     def vjp(self) -> Callable[..., Any]:

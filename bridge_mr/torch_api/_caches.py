@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import jax
 
-from bridge_mr import runners
+from bridge_mr import _caches
 
-from . import _custom_op, _function, _map_reduce, _ops, _static
+from . import _map_reduce, _ops
 
 
 def trace_counts() -> dict[str, int]:
@@ -21,10 +21,15 @@ def trace_counts() -> dict[str, int]:
       `torch_function`, read its own `trace_count`.
 
     Example:
+      >>> step = lambda: bridge_mr.map_reduce(jax_loss, params, batch, strategy="vmap").backward()
+      >>> step()  # traces (forward and backward) on the first call of this signature
       >>> before = bridge_mr.trace_counts()["map_reduce"]
-      >>> for batch in batches:
-      ...     bridge_mr.map_reduce(client_loss, params, batch).backward()
-      >>> assert bridge_mr.trace_counts()["map_reduce"] - before <= 2  # forward + backward
+      >>> for _ in range(3):
+      ...     step()
+      >>> bridge_mr.trace_counts()["map_reduce"] == before  # the same signature: no new trace
+      True
+      >>> sorted(bridge_mr.trace_counts())
+      ['broadcast', 'map_fn', 'map_reduce', 'reduce_mean', 'reduce_sum', 'reduce_weighted_mean']
     """
     functions = (_map_reduce.MAP_REDUCE, *_ops.OPERATIONS)
     return {repr(fn): fn.trace_count for fn in functions}
@@ -33,17 +38,16 @@ def trace_counts() -> dict[str, int]:
 def clear_caches() -> None:
     """Drops every traced and compiled program the torch frontend holds, and JAX's caches.
 
-    Afterwards bridge_mr keeps no user function, closure or captured array alive: each torch
-    function's entries (`TorchFunction.clear_cache`), the custom op's traced calls (compiled
-    graphs rebuild theirs by name), the torch-xla embeddings, and `jax.clear_caches()`. Calls
-    trace again; trace counts keep counting.
+    Afterwards bridge_mr keeps no user function, closure or captured array alive: every cache
+    a loaded bridge_mr module registered (`bridge_mr._caches`) is emptied -- each torch
+    function's entries (`TorchFunction.clear_cache`), the choices of `strategy="auto"`, the
+    custom op's traced calls (compiled graphs rebuild theirs by name), the torch-xla
+    embeddings -- and then `jax.clear_caches()` runs. Calls trace again; trace counts keep
+    counting.
 
     Example:
       >>> bridge_mr.map_reduce(client_loss, params, batch)
       >>> bridge_mr.clear_caches()  # client_loss and what it closes over can now be freed
     """
-    _function.clear_all()
-    _static.clear()
-    _custom_op.clear()
-    runners.clear_caches()
+    _caches.clear_all()
     jax.clear_caches()

@@ -31,12 +31,13 @@ import jax
 import numpy as np
 import torch
 
-from bridge_mr import runners
+from bridge_mr import _caches, runners
 from bridge_mr._compat import torch as torch_compat
-from bridge_mr._dtypes import Aval, jax_dtype, torch_dtype
+from bridge_mr._dtypes import Aval, torch_dtype
+from bridge_mr.dlpack import tensor_avals
 
 from ._autograd import fill_cotangents, scale_gradients, scatter
-from ._traced import TracedCall, residual_vjp
+from ._traced import TracedCall, forward_runner, residual_runner
 
 _OP = "bridge_mr::call_jax"
 _MAX_ENTRIES = 256
@@ -51,9 +52,23 @@ class OpFunction(Protocol):
 
 
 _uids = itertools.count()
+# The functions by uid: what targets name, not a cache (compiled graphs hold targets, so
+# clearing keeps it; an entry lives as long as its function).
 _functions: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_entries: collections.OrderedDict[tuple[str, str, str], _OpEntry] = collections.OrderedDict()
-_lock = threading.Lock()
+_lock = threading.RLock()
+
+
+class _TracedCalls(collections.OrderedDict[tuple[str, str, str], "_OpEntry"]):
+    """The traced calls of the op by target, least recently used first."""
+
+    def clear(self) -> None:
+        """Drops every traced call (compiled graphs rebuild theirs from their targets)."""
+        with _lock:
+            super().clear()
+
+
+# A cache (bounded by _MAX_ENTRIES); `bridge_mr.clear_caches()` empties it.
+_entries = _caches.register("custom op traced calls", _TracedCalls())
 
 
 def register(fn: OpFunction) -> str:
@@ -66,12 +81,6 @@ def register(fn: OpFunction) -> str:
     uid = next(_uids)
     _functions[uid] = fn
     return str(uid)
-
-
-def clear() -> None:
-    """Drops every traced call of the op (compiled graphs rebuild theirs from their names)."""
-    with _lock:
-        _entries.clear()
 
 
 def call(fn: Any, uid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -124,27 +133,11 @@ class _OpEntry:
                 if self._runners is None:
                     traced = self.traced
                     spec = traced.spec
-                    n_total = traced.outputs.n_out + len(traced.extra_avals)
-                    options = traced.compiler_options
-                    forward = runners.runner_for(
-                        spec.device_type,
-                        traced.forward,
-                        spec.in_avals,
-                        n_total,
-                        spec.mesh,
-                        compiler_options=options,
-                        names=[f"{spec.name}: tensor {i}" for i in range(len(spec.in_avals))],
-                    )
+                    names = [f"{spec.name}: tensor {i}" for i in range(len(spec.in_avals))]
+                    forward = forward_runner(traced, names, with_extras=True)
                     backward = None
                     if spec.diff and not traced.outputs.fused:
-                        backward = runners.runner_for(
-                            spec.device_type,
-                            residual_vjp(traced),
-                            [*traced.cotangent_avals, *traced.extra_avals],
-                            len(spec.diff),
-                            spec.mesh,
-                            compiler_options=options,
-                        )
+                        backward = residual_runner(traced, residuals_as_tensors=True)
                     self._runners = (forward, backward)
         return self._runners
 
@@ -172,13 +165,7 @@ def _in_avals(fn: Any, tensors: Sequence[torch.Tensor]) -> tuple[Aval, ...]:
                 "is compiled for fixed shapes. Compile with torch.compile(..., dynamic=False), "
                 "or mark the dimension static with torch._dynamo.mark_static."
             )
-    return tuple(
-        (
-            tuple(t.shape),
-            jax_dtype(t.dtype, where=f"{fn!r}: tensor {i}", xla=t.device.type == "xla"),
-        )
-        for i, t in enumerate(tensors)
-    )
+    return tensor_avals(tensors, [f"{fn!r}: tensor {i}" for i in range(len(tensors))])
 
 
 def _entry(uid: str, mask: str, in_avals: tuple[Aval, ...], device_type: str) -> _OpEntry:

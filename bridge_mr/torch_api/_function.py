@@ -18,15 +18,16 @@ from typing import Any, Protocol, cast
 import jax
 import torch
 
-from bridge_mr import runners
+from bridge_mr import _caches
 from bridge_mr._compat import torch as torch_compat
-from bridge_mr._dtypes import Aval, jax_dtype
+from bridge_mr._dtypes import Aval
+from bridge_mr.dlpack import tensor_avals
 
 from . import _custom_op, _signature
 from ._autograd import Backward, Entry, apply
 from ._signature import TENSOR
 from ._static import FunctionIdentity
-from ._traced import CallSpec, TraceCounter, TracedCall, trace
+from ._traced import CallSpec, TraceCounter, TracedCall, forward_runner, trace
 
 PyTree = Any
 
@@ -49,7 +50,22 @@ class JaxFunction(Protocol):
 
 
 class RetraceWarning(UserWarning):
-    """A call traced again because its function is new each time and cannot be keyed by value."""
+    """A call traced again because its function is new each time and cannot be keyed by value.
+
+    Warned once per code object, after a few traces of new function objects of it that read
+    something bridge_mr cannot compare by value (a dict, a list, a mutable object, a tensor).
+
+    Example:
+      >>> import warnings
+      >>> f = bridge_mr.torch_function(lambda fn, x: fn(x))  # fn: a static argument
+      >>> config = {"scale": 2.0}  # a dict: not comparable by value
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     for _ in range(3):  # a new lambda on each call: traced each time
+      ...         _ = f(lambda x: x * config["scale"], torch.ones(2))
+      >>> [w.category.__name__ for w in caught], f.trace_count
+      (['RetraceWarning'], 3)
+    """
 
 
 class TorchFunction:
@@ -153,6 +169,16 @@ class TorchFunction:
         """Drops this function's traced programs, and with them what their arguments held.
 
         The next call of each signature traces again; `trace_count` keeps counting.
+
+        Example:
+          >>> f = bridge_mr.torch_function(lambda x: jnp.sin(x).sum())
+          >>> _ = f(torch.ones(3))
+          >>> f.trace_count
+          1
+          >>> f.clear_cache()
+          >>> _ = f(torch.ones(3))  # traced again
+          >>> f.trace_count
+          2
         """
         with self._lock:
             self._entries.clear()
@@ -254,10 +280,7 @@ class TorchFunction:
             raise _signature.device_error(name, tensors, where)
         for tensor, w in zip(tensors, where, strict=True):
             _signature.check_tensor(name, tensor, w)
-        in_avals = tuple(
-            (tuple(t.shape), jax_dtype(t.dtype, where=f"{name}: {w}", xla=t.device.type == "xla"))
-            for t, w in zip(tensors, where, strict=True)
-        )
+        in_avals = tensor_avals(tensors, [f"{name}: {w}" for w in where])
         layout = _signature.layout_of(statics)
         per_rank: tuple[bool, ...] = ()
         if layout is not None:
@@ -291,25 +314,9 @@ class TorchFunction:
 
     def _new_entry(self, traced: TracedCall) -> Entry:
         spec = traced.spec
-        forward = runners.runner_for(
-            spec.device_type,
-            traced.forward,
-            spec.in_avals,
-            traced.n_exported,
-            spec.mesh,
-            compiler_options=traced.compiler_options,
-            # Names a value the runner finds out of range (an int64 label, x64 off).
-            names=[f"{spec.name}: {w}" for w in self._tensor_names(spec.treedef, spec.statics)],
-            layout=spec.layout,
-            in_per_rank=spec.per_rank,
-            out_per_rank=(
-                (False,) * traced.outputs.n_out
-                + (tuple(spec.per_rank[i] for i in spec.diff) if traced.outputs.fused else ())
-                if spec.layout is not None
-                else ()
-            ),
-        )
-        return Entry(traced, forward, Backward(traced, _derived))
+        # Names a value the runner finds out of range (an int64 label, x64 off).
+        names = [f"{spec.name}: {w}" for w in self._tensor_names(spec.treedef, spec.statics)]
+        return Entry(traced, forward_runner(traced, names), Backward(traced, _derived))
 
     def trace_op(
         self, in_avals: tuple[Aval, ...], device_type: str, diff: tuple[int, ...]
@@ -317,6 +324,20 @@ class TorchFunction:
         """Traces the custom-op signature of positional tensors with `in_avals`.
 
         The dispatcher hands the op plain tensors, or fake ones to trace: none to check.
+
+        Args:
+          in_avals: the (shape, numpy dtype) of each positional tensor.
+          device_type: the tensors' torch device type ("cpu", "cuda", ...).
+          diff: the positions of the tensors that need gradients.
+
+        Returns:
+          The `TracedCall`: the forward program and what the trace found.
+
+        Example:
+          >>> f = bridge_mr.torch_function(lambda x: jnp.sin(x).sum())
+          >>> traced = f.trace_op((((3,), np.dtype("float32")),), "cpu", (0,))
+          >>> traced.outputs.n_out, traced.grad_avals  # one output; a gradient for x
+          (1, (((3,), dtype('float32')),))
         """
         n = len(in_avals)
         statics = (TENSOR,) * n
@@ -378,6 +399,9 @@ def clear_all() -> None:
     """Drops the traced programs of every torch function."""
     for fn in list(_ALL):
         fn.clear_cache()
+
+
+_caches.register_clear("torch function traces", clear_all)
 
 
 def torch_function(jax_fn: JaxFunction, *, compilable: bool = False) -> TorchFunction:

@@ -32,6 +32,8 @@ import jax.core
 import numpy as np
 import torch
 
+from bridge_mr import _caches
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -89,14 +91,10 @@ def function_key(fn: Any) -> Any:
 
 # Recent plain functions by id: (the function, the global names its code reads, the objects
 # it read, its key). Holding the function keeps its id from being reused.
-_RECENT: dict[int, tuple[types.FunctionType, tuple[str, ...], tuple[Any, ...], _ValueKey]] = {}
+_RECENT: dict[int, tuple[types.FunctionType, tuple[str, ...], tuple[Any, ...], _ValueKey]]
+_RECENT = _caches.register("torch function identities", {})
 _RECENT_MAX = 256
 _MISSING = object()
-
-
-def clear() -> None:
-    """Forgets the recent function keys (and the functions and values they hold)."""
-    _RECENT.clear()
 
 
 def _reads(fn: types.FunctionType, names: tuple[str, ...]) -> tuple[Any, ...]:
@@ -346,7 +344,8 @@ def _function_parts(fn: Any, walk: _Walk) -> tuple[Any, ...]:
         walk.stack.discard(key)
 
 
-_NAMES: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
+_NAMES: dict[int, tuple[types.CodeType, tuple[str, ...]]]
+_NAMES = _caches.register("torch function global names", {})
 
 
 def _global_names(code: types.CodeType) -> tuple[str, ...]:

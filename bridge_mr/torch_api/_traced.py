@@ -187,6 +187,70 @@ def residual_vjp(call: TracedCall) -> runners.Jitted:
     return jitted
 
 
+def forward_runner(
+    call: TracedCall, names: Sequence[str], *, with_extras: bool = False
+) -> runners.Runner:
+    """The runner of `call`'s forward program, for tensors on its device.
+
+    Args:
+      call: the traced call.
+      names: what errors call each tensor input (e.g. "map_reduce: argument clients['y']").
+      with_extras: export what forward computes for backward (gradients or residuals) as
+        tensors too, as the custom op does; else only the outputs and fused gradients are
+        exported (`TracedCall.n_exported`) and residuals stay on the runner's side.
+
+    Returns:
+      A runner `(tensors, []) -> (exported tensors, carried residuals)`.
+    """
+    spec = call.spec
+    out_per_rank: tuple[bool, ...] = ()
+    if spec.layout is not None:  # Gradients of per-rank inputs are per-rank.
+        fused_grads = tuple(spec.per_rank[i] for i in spec.diff) if call.outputs.fused else ()
+        out_per_rank = (False,) * call.outputs.n_out + fused_grads
+    return runners.runner_for(
+        spec.device_type,
+        call.forward,
+        spec.in_avals,
+        call.outputs.n_out + len(call.extra_avals) if with_extras else call.n_exported,
+        spec.mesh,
+        compiler_options=call.compiler_options,
+        names=names,
+        layout=spec.layout,
+        in_per_rank=spec.per_rank,
+        out_per_rank=out_per_rank,
+    )
+
+
+def residual_runner(call: TracedCall, *, residuals_as_tensors: bool = False) -> runners.Runner:
+    """The runner of the VJP over `call`'s residuals (`residual_vjp`): gradients as tensors.
+
+    Args:
+      call: the traced call (not fused: its forward returned residuals).
+      residuals_as_tensors: the residuals come as tensors after the cotangents (the custom
+        op's); else as the values a `forward_runner` carried.
+
+    Returns:
+      A runner `(cotangents[, residuals], [residuals]) -> (gradients, [])`.
+    """
+    spec = call.spec
+    tensor_avals, carried_avals = call.cotangent_avals, call.extra_avals
+    if residuals_as_tensors:
+        tensor_avals, carried_avals = (*tensor_avals, *carried_avals), ()
+    layout = spec.layout
+    return runners.runner_for(
+        spec.device_type,
+        residual_vjp(call),
+        tensor_avals,
+        len(spec.diff),
+        spec.mesh,
+        carried_avals=carried_avals,
+        compiler_options=call.compiler_options,
+        layout=layout,
+        in_per_rank=(False,) * len(tensor_avals) if layout else (),
+        out_per_rank=tuple(spec.per_rank[i] for i in spec.diff) if layout else (),
+    )
+
+
 def vjp_from_inputs(call: TracedCall) -> Callable[[list[jax.Array], list[jax.Array]], Any]:
     """The VJP from the primal inputs: (inputs, float cotangents) -> gradients (a JAX function).
 

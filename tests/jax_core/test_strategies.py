@@ -236,6 +236,32 @@ def test_bad_arguments_name_the_argument(kwargs, message):
         mr.map_reduce(_client, params, clients, **kwargs)
 
 
+@pytest.mark.parametrize("mesh", ["clients", ("clients",)], ids=["str", "tuple"])
+def test_a_mesh_that_is_not_a_mesh_names_the_argument_and_the_fix(mesh):
+    params, clients, _ = _case()
+    with pytest.raises(
+        TypeError,
+        match=r"^map_reduce\(mesh=\.\.\.\): expected a jax\.sharding\.Mesh or AbstractMesh \(with "
+        rf"the placement axis 'clients'\).*; got {type(mesh).__name__} .*clients.*\. Fix: pass "
+        r"the mesh itself, not an axis name",
+    ):
+        mr.map_reduce(_client, params, clients, mesh=mesh)
+
+
+def test_client_count_is_the_leading_dimension_every_leaf_shares():
+    clients = {"x": jnp.ones((3, 2)), "y": np.ones(3)}
+    assert mr.client_count(clients) == 3
+    assert mr.client_count({"x": jnp.ones((0, 2))}, empty_ok=True) == 0
+    with pytest.raises(ValueError, match=r"the clients axis is empty"):
+        mr.client_count({"x": jnp.ones((0, 2))})
+    with pytest.raises(TypeError, match=r"clients\['x'\]\[0\] is a float"):
+        mr.client_count({"x": [1.0]})
+    with pytest.raises(TypeError, match=r"clients\['y'\] is a ndarray"):
+        mr.client_count(clients, array_types=(jax.Array,))
+    with pytest.raises(ValueError, match=r"disagree on the number of clients"):
+        mr.client_count({"x": jnp.ones((3, 2)), "y": jnp.ones(4)})
+
+
 def test_runs_without_a_program_and_ignores_an_outer_one():
     params, clients, weights = _case()
     want = mr.map_reduce(_float_client, params, clients, reduce="weighted_mean", weights=weights)

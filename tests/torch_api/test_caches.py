@@ -72,3 +72,38 @@ def test_a_torch_function_can_drop_its_own_traces() -> None:
     assert _alive(captured)
     f.clear_cache()
     assert not _alive(captured)
+
+
+def test_the_torch_frontends_module_caches_are_registered_and_cleared() -> None:
+    from bridge_mr import _caches
+    from bridge_mr.dlpack import _import, _runtime
+    from bridge_mr.runners import _xla
+    from bridge_mr.torch_api import _custom_op, _static
+
+    containers = {
+        "dlpack devices": _runtime._cache,
+        "dlpack permuted layouts": _import._PERMUTED_OK,
+        "torch function identities": _static._RECENT,
+        "torch function global names": _static._NAMES,
+        "torch-xla embedded computations": _xla._EMBEDDED,
+        "custom op traced calls": _custom_op._entries,
+    }
+    registered = _caches.registered()
+    for name, container in containers.items():
+        assert registered[name] is container, name
+    for name in (
+        "torch function traces",
+        "map_reduce auto choices",
+        "torch-xla global mesh",
+    ):
+        assert callable(registered[name]), name
+
+    bridge_mr.map_reduce(lambda s, c: jnp.sum(s * c), torch.ones(3), torch.ones(16, 3))
+    assert _static._RECENT
+    assert _static._NAMES
+    assert _runtime._cache
+    assert bridge_mr.map_reduce_choices()
+    bridge_mr.torch_api.clear_caches()
+    for name, container in containers.items():
+        assert not container, name
+    assert bridge_mr.map_reduce_choices() == []

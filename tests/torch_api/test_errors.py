@@ -120,3 +120,49 @@ def test_complex_tensor_requiring_grad():
     z = torch.ones(2, dtype=torch.complex64, requires_grad=True)
     with pytest.raises(TypeError, match="complex tensor that requires grad"):
         f(z)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vmap"])
+def test_a_mesh_given_as_an_axis_name(strategy):
+    params, clients = _case()
+    with pytest.raises(
+        TypeError,
+        match=r"^map_reduce\(mesh=\.\.\.\): expected a jax\.sharding\.Mesh or AbstractMesh \(with "
+        r"the placement axis 'clients'\).*; got str 'clients'\. Fix: pass the mesh itself, not an "
+        r"axis name, e.g\. mesh=jax\.make_mesh\(\(jax\.device_count\(\),\), \('clients',\)\)",
+    ):
+        map_reduce(_loss, params, clients, mesh="clients", strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vmap"])
+@pytest.mark.parametrize("leaf", ["server", "clients"])
+def test_a_float64_tensor_with_x64_off_names_its_leaf(strategy, leaf):
+    params, clients = _case()
+    if leaf == "server":
+        params["w"] = params["w"].double()
+        name = r"server\['w'\]"
+    else:
+        clients["x"] = clients["x"].double()
+        name = r"clients\['x'\]"
+    with (
+        jax.enable_x64(False),
+        pytest.raises(
+            TypeError,
+            match=rf"^map_reduce: argument {name} has dtype torch\.float64; expected a dtype of at "
+            r"most 32 bits while JAX's 64-bit mode is off.*Fix: enable x64",
+        ),
+    ):
+        map_reduce(_loss, params, clients, strategy=strategy)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("strategy", ["auto", "vmap"])
+def test_a_quantized_tensor_names_its_leaf(strategy):
+    params, clients = _case()
+    params["w"] = torch.quantize_per_tensor(torch.randn(2), 0.1, 0, torch.qint8)
+    with pytest.raises(
+        TypeError,
+        match=r"^map_reduce: argument server\['w'\]: expected a tensor of a dtype JAX shares with "
+        r"torch, got a torch\.qint8 tensor\. Fix: cast it",
+    ):
+        map_reduce(_loss, params, clients, strategy=strategy)

@@ -14,7 +14,7 @@ from helpers import assert_trees_all_close
 from helpers.child import run_python
 
 import bridge_mr
-from bridge_mr.torch_api import _map_reduce, map_reduce
+from bridge_mr.torch_api import _auto, map_reduce
 
 EXPLICIT = [("vmap", None), ("per_client", None), ("chunks", 2), ("chunks", 8)]
 CLOSE = {"rtol": 2e-5, "atol": 2e-6}
@@ -64,7 +64,7 @@ def test_forced_strategies_equal_vmap_through_torch_autograd(fn, reduce, strateg
 
 
 def test_auto_measures_once_per_signature_and_reports_it(caplog, monkeypatch):
-    monkeypatch.setattr(_map_reduce, "AUTO_MIN_SECONDS", 0.0)  # Try every candidate.
+    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)  # Try every candidate.
     bridge_mr.clear_caches()
     params, clients, _ = _case(n=20)
     for p in params.values():
@@ -85,13 +85,13 @@ def test_auto_measures_once_per_signature_and_reports_it(caplog, monkeypatch):
     assert labels == [("vmap", None), ("per_client", None), ("chunks", 16)]
     assert all(c.seconds is not None and c.seconds > 0 for c in choice.candidates)
     # The fastest first call is within AUTO_GIVE_UP of itself: that candidate is timed fully.
-    assert max(c.timed_calls for c in choice.candidates) == _map_reduce.AUTO_REPEATS
+    assert max(c.timed_calls for c in choice.candidates) == _auto.AUTO_REPEATS
     assert (choice.strategy, choice.chunk_size) in labels
     # The rule, checked on the recorded medians: another strategy only when clearly faster.
     seconds = {(c.strategy, c.chunk_size): c.seconds or 0.0 for c in choice.candidates}
     picked = seconds[choice.strategy, choice.chunk_size]
     if choice.strategy != "vmap":
-        assert picked < _map_reduce.AUTO_MARGIN * seconds["vmap", None]
+        assert picked < _auto.AUTO_MARGIN * seconds["vmap", None]
     (record,) = [r for r in caplog.records if "strategy='auto'" in r.getMessage()]
     assert "picked" in record.getMessage()
     assert "per_client" in record.getMessage()
@@ -104,9 +104,9 @@ def test_auto_measures_once_per_signature_and_reports_it(caplog, monkeypatch):
 
 
 def test_auto_stops_timing_a_candidate_that_cannot_win(monkeypatch):
-    monkeypatch.setattr(_map_reduce, "AUTO_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)
     # Every first timed call is "over 0x the fastest": no candidate is timed twice.
-    monkeypatch.setattr(_map_reduce, "AUTO_GIVE_UP", 0.0)
+    monkeypatch.setattr(_auto, "AUTO_GIVE_UP", 0.0)
     bridge_mr.clear_caches()
     params, clients, _ = _case(n=20)
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_auto_keeps_a_fast_vmap_without_trying_the_others():
         map_reduce(_loss, params, clients)
     (choice,) = bridge_mr.map_reduce_choices()
     vmap, *others = choice.candidates
-    if vmap.seconds is not None and vmap.seconds < _map_reduce.AUTO_MIN_SECONDS:
+    if vmap.seconds is not None and vmap.seconds < _auto.AUTO_MIN_SECONDS:
         assert choice.strategy == "vmap"
         assert all(c.seconds is None and "not tried" in c.skipped for c in others)
     bridge_mr.clear_caches()
@@ -152,8 +152,8 @@ def test_a_memory_budget_rules_out_candidates():
 
 
 def test_auto_does_not_run_a_candidate_needing_many_times_the_leanest_memory(monkeypatch):
-    monkeypatch.setattr(_map_reduce, "AUTO_MEMORY_FLOOR", 0)
-    monkeypatch.setattr(_map_reduce, "AUTO_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(_auto, "AUTO_MEMORY_FLOOR", 0)
+    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)
     bridge_mr.clear_caches()
     # Each client makes a [512, 512] intermediate: vmap holds 32 of them, chunks of 16 hold 16.
     outer = lambda s, c: jnp.tanh(c[:, None] * s[None, :]).mean()
@@ -162,7 +162,7 @@ def test_auto_does_not_run_a_candidate_needing_many_times_the_leanest_memory(mon
     got = map_reduce(outer, server, clients)
     (choice,) = bridge_mr.map_reduce_choices()
     memory = {c.strategy: c.memory_bytes or 0 for c in choice.candidates}
-    assert choice.memory_budget_bytes == _map_reduce.AUTO_MEMORY_FACTOR * memory["per_client"]
+    assert choice.memory_budget_bytes == _auto.AUTO_MEMORY_FACTOR * memory["per_client"]
     assert choice.strategy == "per_client"
     assert [c.strategy for c in choice.candidates if c.seconds is not None] == ["per_client"]
     assert all("memory budget" in c.skipped for c in choice.candidates if c.seconds is None)
@@ -185,8 +185,13 @@ def test_jax_inputs_run_vmap_without_measuring():
         ({"strategy": "fast"}, r"map_reduce\(strategy=\.\.\.\): expected one of 'auto', 'vmap'"),
         ({"strategy": "chunks"}, r"map_reduce\(chunk_size=\.\.\.\): .*positive int.*None"),
         ({"strategy": "chunks", "chunk_size": -1}, r"chunk_size=\.\.\.\).*positive int.*-1"),
-        ({"chunk_size": 4}, r"chunk_size=4\) is only for strategy='chunks'.*'auto'"),
         ({"strategy": "per_client", "chunk_size": 4}, r"chunk_size=4\) is only for strategy="),
+        ({"strategy": "vmap", "chunk_size": 4}, r"chunk_size=4\) is only for strategy='chunks'"),
+        (
+            {"chunk_size": 4, "memory_budget_bytes": 2**30},
+            r"chunk_size=4\) means strategy='chunks'.*"
+            r"memory_budget_bytes=\.\.\. is only for strategy='auto'",
+        ),
         (
             {"strategy": "vmap", "memory_budget_bytes": 2**30},
             r"memory_budget_bytes=\.\.\.\) is only for strategy='auto'",
@@ -198,6 +203,16 @@ def test_bad_strategy_arguments_name_the_argument(kwargs, message):
     params, clients, _ = _case()
     with pytest.raises(ValueError, match=message):
         map_reduce(_loss, params, clients, **kwargs)
+
+
+def test_chunk_size_alone_means_chunks():
+    params, clients, _ = _case()
+    bridge_mr.clear_caches()
+    alone = map_reduce(_loss, params, clients, chunk_size=2)
+    assert bridge_mr.map_reduce_choices() == []  # strategy="chunks": nothing measured.
+    chunks = map_reduce(_loss, params, clients, strategy="chunks", chunk_size=2)
+    assert_trees_all_close(alone, chunks, rtol=0, atol=0)
+    assert_trees_all_close(alone, map_reduce(_loss, params, clients, strategy="vmap"), **CLOSE)
 
 
 @pytest.mark.x64
