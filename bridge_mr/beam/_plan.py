@@ -39,12 +39,28 @@ class Reduction:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A program split into rounds.
+    """A program split into rounds: what `split` returns and `run` executes.
 
-    `segments` alternates server_0, client_0, server_1, ..., server_K (K = number of rounds
-    with reductions); `reductions[k]` are round k's, in the order of client_k's contributions.
-    `outputs` says where each result leaf comes from: ("env", i), the i-th value of the last
-    server segment, or ("literal", value).
+    Plain data: it pickles without JAX's tracing machinery.
+
+    Attributes:
+        placement: The placement name the program's primitives use.
+        segments: The exported segments, alternating server_0, client_0, server_1, ...,
+            server_K (K = `num_rounds`, the number of rounds with reductions).
+        reductions: `reductions[k]` are round k's, in the order of client_k's contributions.
+        outputs: Where each result leaf comes from: ("env", i), the i-th value of the last
+            server segment, or ("literal", value).
+        out_tree: The tree structure of the program's result.
+        consts: The program's constants (numpy arrays), passed to server_0.
+        server_tree: The tree structure of the tuple of server arguments.
+        record_tree: The tree structure of one client record (a tuple of the placed
+            arguments).
+        record_avals: Each record leaf's per-client (shape, dtype).
+
+    Example:
+      >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
+      >>> plan.num_rounds, plan.outputs, plan.record_avals
+      (1, [('env', 0)], [((), dtype('float32'))])
     """
 
     placement: str
@@ -63,9 +79,36 @@ class Plan:
         return len(self.reductions)
 
     def server_segment(self, k: int) -> Segment:
-        """Round k's server segment (k = num_rounds: server_result)."""
+        """Round k's server segment (k = num_rounds: server_result).
+
+        Args:
+            k: The round, from 0 to `num_rounds`.
+
+        Returns:
+            `segments[2 * k]`: server_0 prepares round 0's broadcast, server_k (k >= 1)
+            consumes round k - 1's reductions.
+
+        Example:
+          >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
+          >>> plan.server_segment(0).name, plan.server_segment(plan.num_rounds).name
+          ('server_0', 'server_1')
+        """
         return self.segments[2 * k]
 
     def client_segment(self, k: int) -> Segment:
-        """Round k's client segment."""
+        """Round k's client segment.
+
+        Args:
+            k: The round, from 0 to `num_rounds - 1`.
+
+        Returns:
+            `segments[2 * k + 1]`: round k's client_work, which returns the bundle's carry
+            for later rounds and its contributions to `reductions[k]`.
+
+        Example:
+          >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
+          >>> segment = plan.client_segment(0)
+          >>> segment.name, segment.num_client_in, segment.num_contributions
+          ('client_0', 1, 1)
+        """
         return self.segments[2 * k + 1]

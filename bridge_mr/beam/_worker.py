@@ -1,7 +1,8 @@
 """What runs on a Beam worker: exported segments and the float64 accumulators.
 
-Imports only jax and numpy (and the plain-data plan): a worker never loads torch nor the
-tracing side of bridge_mr. Segments are deserialized once per process.
+Imports only jax and numpy (and the plain-data plan, the standard-library LRU and cache
+registry): a worker never loads torch nor the tracing side of bridge_mr. Segments are
+deserialized once per process, and the `SEGMENTS` most recently used stay compiled.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from typing import Any
 import jax
 import numpy as np
 
+from bridge_mr._caches import register
+
+from ._lru import LRU
 from ._plan import Plan, Reduction, Segment
 
-_CACHE: dict[bytes, Any] = {}
-_LOCK = threading.Lock()
+#: How many deserialized segments a process keeps (a program of K rounds has 2K + 1).
+SEGMENTS = 64
+
+_CACHE: LRU[bytes, Any] = register("beam worker segments", LRU(SEGMENTS))
+_LOCK = threading.Lock()  # One deserialization per segment, even when bundles run in threads.
 
 #: An accumulator: [client count, one running sum per reduction (None before the first add)].
 Accumulator = list[Any]
@@ -28,7 +35,8 @@ def _callable(segment: Segment) -> Any:
         call = _CACHE.get(segment.serialized)
         if call is None:
             exported = jax.export.deserialize(bytearray(segment.serialized))
-            call = _CACHE[segment.serialized] = jax.jit(exported.call)
+            call = jax.jit(exported.call)
+            _CACHE.put(segment.serialized, call)
         return call
 
 

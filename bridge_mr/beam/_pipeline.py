@@ -1,153 +1,32 @@
-"""`run` and the `MapReduce` PTransform: a split program as a Beam pipeline."""
+"""The apache_beam side: a plan as Beam transforms (`MapReduce`, `Aggregate`) and `run`.
+
+The one module of bridge_mr.beam that imports apache_beam; `bridge_mr.beam` imports it on
+first use of these names, so planning (`split`, `interpret`) works without Beam installed.
+"""
 
 from __future__ import annotations
 
 import os
 import pickle
 import tempfile
-import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import apache_beam as beam
 import jax
-import jax.numpy as jnp
 import numpy as np
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.pvalue import AsSingleton, PCollection
 
-from bridge_mr import jax_core
-from bridge_mr._compat.jax import trace_context
-
 from . import _worker
 from ._plan import Plan, Reduction, Segment
-from ._split import split as split_program
+from ._planning import check_record_spec, prepare
 
 #: The in-process runner used when the options name none: the FnApiRunner that Beam's
 #: DirectRunner itself runs batch pipelines on (the DirectRunner first tries Prism, which
 #: downloads a binary).
 DEFAULT_RUNNER = "FnApiRunner"
 DEFAULT_BUNDLE_SIZE = 256
-_CHECK_CLIENTS = (2, 2)  # The self-test's bundles: 4 clients, two accumulators merged.
-
-_PLANS: weakref.WeakKeyDictionary[Any, dict[Any, Plan]] = weakref.WeakKeyDictionary()
-_CHECKED: dict[int, Plan] = {}  # Self-tested plans (held, so that their ids stay theirs).
-_PLANS_LOCK = threading.Lock()
-
-
-# --- plans ------------------------------------------------------------------------------------
-
-
-def _spec(leaf: Any, *, argument: str, path: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf
-    try:
-        array = np.asarray(leaf)
-    except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"{argument}{jax.tree_util.keystr(path)}: expected an array (numpy, JAX) or a "
-            f"jax.ShapeDtypeStruct; got {type(leaf).__name__}: {leaf!r}."
-        ) from err
-    return jax.ShapeDtypeStruct(array.shape, jax.dtypes.canonicalize_dtype(array.dtype))
-
-
-def _specs(tree: Any, argument: str) -> Any:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _spec(leaf, argument=argument, path=path), tree
-    )
-
-
-def _plan_for(
-    fn: Callable[..., Any],
-    server_specs: tuple[Any, ...],
-    record_spec: tuple[Any, ...],
-    placement: str,
-) -> Plan:
-    """The plan of `fn` for these argument types (split once, like jit's trace cache)."""
-    key = (
-        jax.tree.structure((server_specs, record_spec)),
-        tuple((s.shape, s.dtype) for s in jax.tree.leaves((server_specs, record_spec))),
-        placement,
-        trace_context(),
-    )
-    with _PLANS_LOCK:
-        plans = _PLANS.setdefault(fn, {})
-        plan = plans.get(key)
-    if plan is None:
-        plan = split_program(fn, server_specs, record_spec, placement=placement)
-        with _PLANS_LOCK:
-            plans[key] = plan
-    return plan
-
-
-def _check_record_spec(record_spec: Any) -> tuple[Any, ...]:
-    if not isinstance(record_spec, tuple):
-        raise TypeError(
-            "bridge_mr.beam: a client record (and record_spec) is a tuple of the program's "
-            "placed arguments for one client, in order (a 1-tuple for one placed argument); "
-            f"got {type(record_spec).__name__}."
-        )
-    return record_spec
-
-
-# --- the self-test ----------------------------------------------------------------------------
-
-
-def _synthetic(shape: tuple[int, ...], dtype: np.dtype[Any], rng: np.random.Generator) -> Any:
-    if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
-        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, size=shape).astype(bool)
-    return rng.integers(0, 2, size=shape).astype(dtype)
-
-
-def self_test(
-    fn: Callable[..., Any], plan: Plan, server_leaves: Sequence[Any], record_tree: Any
-) -> None:
-    """Compares the interpreted plan with `jax.jit` of the program on 4 synthetic clients.
-
-    Raises:
-        AssertionError: A result differs (a program bridge_mr.beam interprets wrongly: please
-            report it; pass check=False to skip the test).
-    """
-    count = sum(_CHECK_CLIENTS)
-    rng = np.random.default_rng(0)
-    stacked = [_synthetic((count, *shape), dtype, rng) for shape, dtype in plan.record_avals]
-    got = _worker.interpret(plan, server_leaves, stacked, _CHECK_CLIENTS)
-    expected = _reference(fn, plan, server_leaves, stacked, record_tree, count)
-    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-        b = np.asarray(b)
-        scale = float(np.max(np.abs(b))) if b.size and np.issubdtype(b.dtype, np.number) else 1.0
-        if (
-            a.shape != b.shape
-            or a.dtype != b.dtype
-            or not np.allclose(a, b, rtol=1e-3, atol=1e-5 * max(scale, 1.0), equal_nan=True)
-        ):
-            raise AssertionError(
-                f"bridge_mr.beam self-test: result leaf {i} of the program interpreted on "
-                f"{count} synthetic clients differs from jax.jit of the program: got "
-                f"{a.dtype}{list(a.shape)} {a!r}, expected {b.dtype}{list(b.shape)} {b!r}. "
-                "This is a program bridge_mr.beam interprets wrongly; please report it "
-                "(check=False skips this test)."
-            )
-
-
-def _reference(
-    fn: Callable[..., Any],
-    plan: Plan,
-    server_leaves: Sequence[Any],
-    stacked: Sequence[Any],
-    record_tree: Any,
-    count: int,
-) -> list[Any]:
-    server = jax.tree.unflatten(plan.server_tree, list(server_leaves))
-    placed = jax.tree.unflatten(record_tree, [jnp.asarray(x) for x in stacked])
-    program = jax_core.program(placements={plan.placement: count})(fn)
-    return jax.tree.leaves(jax.jit(program)(*server, *placed))
-
-
-# --- Beam -------------------------------------------------------------------------------------
 
 
 class _ClientWork(beam.DoFn):
@@ -168,12 +47,18 @@ class Aggregate(beam.CombineFn):
     integers, complex128); merging adds them, so any order and grouping gives the same sums;
     the output is (count, the reductions in the program's dtypes, means divided by the count).
 
+    In a pipeline: `contributions | beam.CombineGlobally(Aggregate(plan.reductions[k]))`.
+
     Args:
         reductions: The round's reductions: `plan.reductions[k]` of a `split` plan.
 
-    Example::
-
-        sums = contributions | beam.CombineGlobally(Aggregate(plan.reductions[0]))
+    Example:
+      >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
+      >>> aggregate = bridge_mr.beam.Aggregate(plan.reductions[0])  # one mean
+      >>> two = aggregate.add_input(aggregate.create_accumulator(), [np.float32([2, 4])])
+      >>> one = aggregate.add_input(aggregate.create_accumulator(), [np.float32([6])])
+      >>> aggregate.extract_output(aggregate.merge_accumulators([one, two]))  # 3 clients
+      (3, [array(4., dtype=float32)])
     """
 
     def __init__(self, reductions: Sequence[Reduction]) -> None:
@@ -181,15 +66,19 @@ class Aggregate(beam.CombineFn):
         self._reductions = list(reductions)
 
     def create_accumulator(self) -> _worker.Accumulator:
+        """An empty accumulator: no clients, no sums yet."""
         return _worker.create_accumulator(len(self._reductions))
 
     def add_input(self, mutable_accumulator: Any, element: Any) -> _worker.Accumulator:
+        """Adds a bundle's contributions (one array per reduction, clients first)."""
         return _worker.add_contributions(mutable_accumulator, element)
 
     def merge_accumulators(self, accumulators: Iterable[Any]) -> _worker.Accumulator:
+        """Adds partial accumulators' counts and sums (any order, any grouping)."""
         return _worker.merge_accumulators(list(accumulators))
 
     def extract_output(self, accumulator: Any) -> tuple[int, list[np.ndarray[Any, Any]]]:
+        """(The client count, the reductions in the program's dtypes, means divided by it)."""
         return _worker.extract(accumulator, self._reductions, None)
 
 
@@ -270,12 +159,20 @@ class MapReduce(beam.PTransform):
     Raises:
         UnsupportedProgramError: `fn` cannot run as a MapReduce pipeline.
         TypeError: `server_args` or `record_spec` is not a tuple, or a leaf is not an array.
+        ValueError: `bundle_size` is not a positive int.
+        AssertionError: The self-test found a difference from `jax.jit`.
 
-    Example::
-
-        with beam.Pipeline(runner="FnApiRunner") as p:
-            (p | beam.Create(records) | bridge_mr.beam.MapReduce(fedavg_round, (server,), spec)
-               | beam.Map(print))
+    Example:
+      >>> import apache_beam as beam
+      >>> records = [(np.float32(x),) for x in range(4)]  # one 1-tuple per client
+      >>> with beam.Pipeline(runner="FnApiRunner") as p:  # 2 * mean([0, 1, 2, 3])
+      ...     _ = (
+      ...         p
+      ...         | beam.Create(records)
+      ...         | bridge_mr.beam.MapReduce(scaled_mean, (np.float32(2),), records[0])
+      ...         | beam.Map(print)
+      ...     )
+      3.0
     """
 
     def __init__(
@@ -293,6 +190,7 @@ class MapReduce(beam.PTransform):
         self._bundle_size = _check_bundle_size(bundle_size)
 
     def expand(self, input_or_inputs: Any) -> Any:
+        """The PCollection of the program's result, from the PCollection of client records."""
         records = input_or_inputs
         plan, server_leaves, record_tree = self._prepared
         count = records | "count_clients" >> beam.combiners.Count.Globally()
@@ -316,119 +214,6 @@ def _check_bundle_size(bundle_size: int) -> int:
             f"bundle_size must be a positive int (clients per segment call); got {bundle_size!r}."
         )
     return bundle_size
-
-
-def prepare(
-    fn: Callable[..., Any],
-    server_args: tuple[Any, ...],
-    record_spec: tuple[Any, ...],
-    *,
-    placement: str,
-    check: bool,
-) -> tuple[Plan, list[np.ndarray[Any, Any]], Any]:
-    """Splits `fn` for these types (cached), runs the self-test once per plan if `check`."""
-    if not callable(fn):
-        raise TypeError(f"bridge_mr.beam: fn must be callable; got {type(fn).__name__}.")
-    if not isinstance(server_args, tuple):
-        raise TypeError(
-            "bridge_mr.beam: server_args is a tuple of fn's server arguments (those before "
-            f"the placed ones); got {type(server_args).__name__}. Use (x,) for one."
-        )
-    record_spec = _check_record_spec(record_spec)
-    server_leaves = [np.asarray(x) for x in jax.tree.leaves(server_args)]
-    server_specs = _specs(server_args, "server_args")
-    record_specs = _specs(record_spec, "record_spec")
-    plan = _plan_for(fn, server_specs, record_specs, placement)
-    record_tree = plan.record_tree
-    if check and id(plan) not in _CHECKED:
-        self_test(fn, plan, server_leaves, record_tree)
-        _CHECKED[id(plan)] = plan
-    return plan, server_leaves, record_tree
-
-
-def split(
-    fn: Callable[..., Any],
-    server_args: tuple[Any, ...],
-    record_spec: tuple[Any, ...],
-    *,
-    placement: str = "clients",
-) -> Plan:
-    """Splits `fn` into the rounds `run` executes, without running anything.
-
-    Args:
-        fn: The program (see `run`).
-        server_args: A tuple of the server arguments (arrays or `jax.ShapeDtypeStruct`).
-        record_spec: One client's record (see `MapReduce`).
-        placement: The placement name.
-
-    Returns:
-        The `Plan`: `plan.num_rounds`, `plan.segments` (server_0, client_0, ..., with their
-        `jax.export` bytes), `plan.reductions`.
-
-    Raises:
-        UnsupportedProgramError: `fn` cannot run as a MapReduce pipeline.
-        TypeError: `server_args` or `record_spec` is not a tuple.
-
-    Example::
-
-        plan = bridge_mr.beam.split(fedavg_round, (server,), (batch_spec, weight_spec))
-        assert plan.num_rounds == 1
-    """
-    if not isinstance(server_args, tuple):
-        raise TypeError(
-            f"split: server_args is a tuple of fn's server arguments; got "
-            f"{type(server_args).__name__}."
-        )
-    return _plan_for(
-        fn,
-        _specs(server_args, "server_args"),
-        _specs(_check_record_spec(record_spec), "record_spec"),
-        placement,
-    )
-
-
-def interpret(
-    plan: Plan,
-    server_args: tuple[Any, ...],
-    client_records: Sequence[Any],
-    *,
-    bundle_sizes: Sequence[int] | None = None,
-) -> Any:
-    """Runs a plan in this process, without Beam, as the pipeline would.
-
-    The same segments, bundles, float64 accumulators and merges as a pipeline: for checking
-    a plan and for tests (the self-test of `run` uses it).
-
-    Args:
-        plan: From `split`.
-        server_args: The server arguments (a tuple).
-        client_records: The client records (tuples of the placed arguments).
-        bundle_sizes: How to cut the clients into bundles (default: one bundle).
-
-    Returns:
-        The program's result.
-
-    Raises:
-        ValueError: A record does not match the plan's types, or the bundle sizes do not add
-            up to the number of records.
-
-    Example::
-
-        result = bridge_mr.beam.interpret(plan, (server,), records, bundle_sizes=[3, 5])
-    """
-    records = list(client_records)
-    sizes = [len(records)] if bundle_sizes is None else [int(b) for b in bundle_sizes]
-    if sum(sizes) != len(records) or any(b < 1 for b in sizes):
-        raise ValueError(
-            f"interpret: bundle_sizes {sizes} must be positive and add up to the "
-            f"{len(records)} records."
-        )
-    stacked = _worker.stack_records(records, plan.record_tree, plan.record_avals, first_index=0)
-    leaves = [np.asarray(x) for x in jax.tree.leaves(server_args)]
-    return jax.tree.unflatten(plan.out_tree, _worker.interpret(plan, leaves, stacked, sizes))
-
-
-# --- run --------------------------------------------------------------------------------------
 
 
 class _Collect(beam.DoFn):
@@ -516,13 +301,15 @@ def run(
     Raises:
         UnsupportedProgramError: `fn` cannot run as a MapReduce pipeline (it names why).
         ValueError: No client records, a record whose structure, shape or dtype differs from
-            the first's (naming the record), or a PCollection without `record_spec`.
+            the first's (naming the record), a PCollection without `record_spec`, or a
+            `bundle_size` that is not a positive int.
         TypeError: `server_args` or a record is not a tuple, or a leaf is not an array.
         AssertionError: The self-test found a difference from `jax.jit`.
 
-    Example::
-
-        new_server = bridge_mr.beam.run(fedavg_round, (server,), [(x, w) for x, w in data])
+    Example:
+      >>> records = [(np.float32(x),) for x in range(4)]  # one 1-tuple per client
+      >>> bridge_mr.beam.run(scaled_mean, (np.float32(2),), records)  # 2 * mean([0, 1, 2, 3])
+      array(3., dtype=float32)
     """
     bundle_size = _check_bundle_size(bundle_size)
     options = _options(pipeline_options)
@@ -540,7 +327,7 @@ def run(
     records = list(client_records)
     if not records:
         raise ValueError("bridge_mr.beam.run: client_records is empty; give at least one client.")
-    spec = _check_record_spec(records[0] if record_spec is None else record_spec)
+    spec = check_record_spec(records[0] if record_spec is None else record_spec)
     plan, server_leaves, record_tree = prepare(
         fn, server_args, spec, placement=placement, check=check
     )
