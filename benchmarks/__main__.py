@@ -22,7 +22,6 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -172,21 +171,21 @@ def main(argv: list[str]) -> int:
     print(f"{command.strip()}  ({'quick' if args.quick else 'full'} run, started {started})")
     print(environment.describe(machine), flush=True)
     meter = environment.LoadMeter()
-    start = time.perf_counter()
     results: list[report.CaseResult] = []
     for name in args.cases:
         case = CASES[name](ctx)
         results.append(case)
         print("\n" + report.case_markdown(case), flush=True)
     targets = [t for case in results for t in case.targets]
+    run_load = meter.read()
     document = {
         "schema": report.SCHEMA,
         "command": command.strip(),
         "mode": "quick" if args.quick else "full",
         "started": started,
-        "duration_s": time.perf_counter() - start,
+        "duration_s": run_load["wall_s"],
         "machine": machine,
-        "load": meter.read(),
+        "load": run_load,
         "policy": {**dataclasses.asdict(policy), "memory": ctx.memory},
         "cases": {case.name: case.as_json() for case in results},
         "targets": targets,

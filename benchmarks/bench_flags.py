@@ -82,7 +82,7 @@ def _program(row: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
             return jax_core.map_reduce(workloads.jax_loss, p, d, strategy=strategy, **chunks)
 
         return jax.grad(mean_loss), (params, data)
-    update = functools.partial(workloads.jax_client_update, lr=fed.lr)
+    update = workloads.client_update(fed)
     return functools.partial(jax_core.map_reduce, update, strategy=strategy, **chunks), (
         params,
         data,

@@ -10,11 +10,9 @@ bundle size in a worker process).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from . import harness, report
-from .environment import LoadMeter
 
 DIM, EXAMPLES = 32, 16
 
@@ -43,15 +41,8 @@ def _program() -> Any:
     return fedavg_round
 
 
-def _entry(samples: list[float]) -> dict[str, Any]:
-    import numpy as np
-
-    q1, median, q3 = (float(q) for q in np.quantile(samples, [0.25, 0.5, 0.75]))
-    return {"median_s": median, "q1_s": q1, "q3_s": q3, "reps": len(samples), "calls_per_rep": 1}
-
-
-def run(ctx: harness.Context) -> report.CaseResult:
-    """The beam case."""
+def _row(fn: Any, server: Any, rng: Any, count: int, reps: int) -> dict[str, Any]:
+    """The row of `count` clients: jit of the stacked records, then Beam of the records."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -59,69 +50,62 @@ def run(ctx: harness.Context) -> report.CaseResult:
     import bridge_mr
     import bridge_mr.beam
 
-    meter = LoadMeter()
-    case = report.CaseResult(
-        name="beam",
-        title="A FedAvg round on Beam (in-process FnApiRunner) vs the same round under jit",
-        unit="seconds per round; (x) = ratio to jit; upd/s = client updates per second",
-    )
+    records = [
+        (
+            {
+                "x": rng.normal(size=(EXAMPLES, DIM)).astype(np.float32),
+                "y": rng.normal(size=EXAMPLES).astype(np.float32),
+            },
+            np.float32(rng.uniform(1, 2)),
+        )
+        for _ in range(count)
+    ]
+    # np.stack: jnp.stack of 10,000 arrays compiles a 10,000-operand concatenate.
+    stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *records)
+    jitted = jax.jit(bridge_mr.program(placements={"clients": count})(fn))
+    harness.sync(jitted(server, *stacked))  # Compile.
+    jit_samples = harness.time_calls(lambda: jitted(server, *stacked), max(reps, 5))
+    # Untimed: the plan, its self-test, and the client segment compiled for these bundle sizes
+    # (each worker process compiles each size once).
+    bridge_mr.beam.run(fn, (server,), records)
+    beam_samples = harness.time_calls(lambda: bridge_mr.beam.run(fn, (server,), records), reps)
+    jit_entry = harness.Timing(jit_samples, 1).summary()
+    beam_entry = harness.Timing(beam_samples, 1).summary()
+    beam_entry["ratio_to_baseline"] = {"median": beam_entry["median_s"] / jit_entry["median_s"]}
+    for entry in (jit_entry, beam_entry):
+        entry["client_updates_per_s"] = count / entry["median_s"]
+    return {
+        "id": f"beam/c{count}",
+        "params": {"clients": count, "dim": DIM, "examples": EXAMPLES},
+        "baseline": "jit",
+        "alternatives": {"jit": jit_entry, "beam FnApiRunner": beam_entry},
+    }
+
+
+def run(ctx: harness.Context) -> report.CaseResult:
+    """The beam case."""
+    import numpy as np
+
     counts = ctx.clients or ((16, 256, 2048) if ctx.quick else (16, 100, 1000, 10000))
     reps = 2 if ctx.quick else 3
     fn = _program()
     rng = np.random.default_rng(0)
     server = {"w": np.zeros(DIM, np.float32), "b": np.float32(0.0)}
-    beam_medians = []
-    with harness.progress(len(counts), "beam") as bar:
-        for count in counts:
-            bar.set_postfix_str(f"{count} clients")
-            records = [
-                (
-                    {
-                        "x": rng.normal(size=(EXAMPLES, DIM)).astype(np.float32),
-                        "y": rng.normal(size=EXAMPLES).astype(np.float32),
-                    },
-                    np.float32(rng.uniform(1, 2)),
-                )
-                for _ in range(count)
-            ]
-            # np.stack: jnp.stack of 10,000 arrays compiles a 10,000-operand concatenate.
-            stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *records)
-            jitted = jax.jit(bridge_mr.program(placements={"clients": count})(fn))
-            harness.sync(jitted(server, *stacked))  # Compile.
-            jit_samples = []
-            for _ in range(max(reps, 5)):
-                start = time.perf_counter()
-                harness.sync(jitted(server, *stacked))
-                jit_samples.append(time.perf_counter() - start)
-            # Untimed: the plan, its self-test, and the client segment compiled for these
-            # bundle sizes (each worker process compiles each size once).
-            bridge_mr.beam.run(fn, (server,), records)
-            beam_samples = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                bridge_mr.beam.run(fn, (server,), records)
-                beam_samples.append(time.perf_counter() - start)
-            jit_entry, beam_entry = _entry(jit_samples), _entry(beam_samples)
-            beam_entry["ratio_to_baseline"] = {
-                "median": beam_entry["median_s"] / jit_entry["median_s"]
-            }
-            for entry in (jit_entry, beam_entry):
-                entry["client_updates_per_s"] = count / entry["median_s"]
-            beam_medians.append(beam_entry["median_s"])
-            case.rows.append(
-                {
-                    "id": f"beam/c{count}",
-                    "params": {"clients": count, "dim": DIM, "examples": EXAMPLES},
-                    "baseline": "jit",
-                    "alternatives": {"jit": jit_entry, "beam FnApiRunner": beam_entry},
-                }
-            )
-            bar.update()
-    if len(counts) >= 2:
-        per_client, fixed = np.polyfit(np.asarray(counts, float), np.asarray(beam_medians), 1)
-        case.notes.append(
-            f"Beam round: fixed cost {fixed:.2f} s, {1e3 * per_client:.3f} ms per client "
-            "(least-squares line through the medians); bundles of 256 clients per segment call."
+    title = "A FedAvg round on Beam (in-process FnApiRunner) vs the same round under jit"
+    unit = "seconds per round; (x) = ratio to jit; upd/s = client updates per second"
+    with report.case_result("beam", title, unit) as case:
+        harness.each(
+            counts,
+            "beam",
+            lambda count: case.rows.append(_row(fn, server, rng, count, reps)),
+            lambda count: f"{count} clients",
         )
-    case.load = meter.read()
+        if len(counts) >= 2:
+            medians = [row["alternatives"]["beam FnApiRunner"]["median_s"] for row in case.rows]
+            per_client, fixed = np.polyfit(np.asarray(counts, float), np.asarray(medians), 1)
+            case.notes.append(
+                f"Beam round: fixed cost {fixed:.2f} s, {1e3 * per_client:.3f} ms per client "
+                "(least-squares line through the medians); bundles of 256 clients per segment "
+                "call."
+            )
     return case

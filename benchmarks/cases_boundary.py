@@ -12,9 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 from . import harness, report, workloads
-from .environment import LoadMeter
 
 KIB = 1024
+TITLE = "Boundary cost: torch <-> JAX per tensor, and copies per map_reduce round"
+UNIT = (
+    "time per call (a call converts the row's tensors); (x) = ratio to the public DLPack "
+    "function; tensors/s. map_reduce rows: conversions counted in one round (forward and "
+    "backward for FedSGD, with the optimizer step)"
+)
+NOTE = (
+    "public dlpack: jax.dlpack.from_dlpack(t) (import) and torch.from_dlpack(a) (export). numpy "
+    "copy: jnp.asarray(t.numpy()) and torch.from_numpy(np.array(a)); on CPU "
+    "jax.device_put(t.numpy()) aliases the buffer, so it would not be a copy."
+)
 
 
 def _label(n_bytes: int) -> str:
@@ -156,21 +166,8 @@ def _copy_rows(case: report.CaseResult) -> list[dict[str, Any]]:
 
 def run(ctx: harness.Context) -> report.CaseResult:
     """Case 1."""
-    meter = LoadMeter()
-    case = report.CaseResult(
-        name="boundary",
-        title="Boundary cost: torch <-> JAX per tensor, and copies per map_reduce round",
-        unit="time per call (a call converts the row's tensors); (x) = ratio to the public "
-        "DLPack function; tensors/s. map_reduce rows: conversions counted in one round "
-        "(forward and backward for FedSGD, with the optimizer step)",
-    )
-    case.notes.append(
-        "public dlpack: jax.dlpack.from_dlpack(t) (import) and torch.from_dlpack(a) (export). "
-        "numpy copy: jnp.asarray(t.numpy()) and torch.from_numpy(np.array(a)); on CPU "
-        "jax.device_put(t.numpy()) aliases the buffer, so it would not be a copy."
-    )
-    with harness.progress(8, "boundary") as bar:
-        case.rows += _per_tensor_rows(ctx, bar)
-    case.rows += _copy_rows(case)
-    case.load = meter.read()
+    with report.case_result("boundary", TITLE, UNIT, NOTE) as case:
+        with harness.progress(8, "boundary") as bar:
+            case.rows += _per_tensor_rows(ctx, bar)
+        case.rows += _copy_rows(case)
     return case

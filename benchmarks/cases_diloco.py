@@ -22,12 +22,10 @@ the times side by side.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
 from . import harness, report
-from .environment import LoadMeter
 
 BRIDGE_MR = "bridge_mr"
 TORCH_LOOP = "torch_loop"
@@ -37,6 +35,24 @@ ALTERNATIVES = (BRIDGE_MR, TORCH_LOOP, TORCH_VMAP)
 VOCAB = 256
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+TITLE = (
+    "DiLoCo round of a byte-level transformer LM (d_model {d_model}, {layers} layers, "
+    "H={inner_steps} AdamW steps of batch {batch} x {context} per replica, outer Nesterov SGD): "
+    "bridge_mr against a torch loop over replicas and torch.func.vmap"
+)
+UNIT = (
+    "time per round (x = paired ratio to bridge_mr), replica steps/s; 'first call' rows: one "
+    "call each (bridge_mr: trace and compile)"
+)
+NOTE = (
+    "{n_params:,} parameters (float32), int64 byte tokens (int32 inside JAX). bridge_mr: "
+    "bridge_mr.algorithms.outer_step(local_training(from_torch(loss), optax.adamw, steps=H), "
+    "strategy='vmap'); torch_loop: one module, torch.optim.AdamW, replicas one after another; "
+    "torch_vmap: torch.func.vmap over replicas of H hand-written AdamW steps (functional_call, "
+    "torch.func.grad). All: fresh inner AdamW state per round, outer "
+    "torch.optim.SGD(nesterov=True) on minus the mean delta."
+)
 
 #: Largest relative difference, sum |a - b| / sum |b - initial|, of the parameters after one
 #: round between an alternative (a) and bridge_mr (b) for them to count as computing the same
@@ -246,13 +262,6 @@ def build_torch_vmap(cfg: DilocoConfig) -> Callable[[], Any]:
     return torch_vmap_round
 
 
-def _timed_once(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = fn()
-    harness.sync(result)
-    return time.perf_counter() - start, [x.clone() for x in result]
-
-
 def _measure(ctx: harness.Context, cfg: DilocoConfig, case: report.CaseResult) -> None:
     """The round row, the first-call row and the agreement note of one configuration."""
     builders = {
@@ -263,7 +272,8 @@ def _measure(ctx: harness.Context, cfg: DilocoConfig, case: report.CaseResult) -
     built = {name: build(cfg) for name, build in builders.items()}
     first_s, after_first = {}, {}
     for name, fn in built.items():
-        first_s[name], after_first[name] = _timed_once(fn)
+        first_s[name], result = harness.time_once(fn)
+        after_first[name] = [x.clone() for x in result]
     initial = [p.detach() for p in make_model(cfg).parameters()]
     reference = after_first[BRIDGE_MR]
     change = sum(float((b - p0).abs().sum()) for b, p0 in zip(reference, initial, strict=True))
@@ -297,33 +307,12 @@ def _measure(ctx: harness.Context, cfg: DilocoConfig, case: report.CaseResult) -
 def run(ctx: harness.Context, configs: list[DilocoConfig] | None = None) -> report.CaseResult:
     """The DiLoCo round at each configuration (`QUICK` or `FULL` unless `configs` is given;
     `ctx.clients` replaces their replica counts)."""
-    meter = LoadMeter()
     if configs is None:
         configs = QUICK if ctx.quick else FULL
         if ctx.clients:
             configs = [dataclasses.replace(configs[0], replicas=r) for r in ctx.clients]
-    first = configs[0]
-    case = report.CaseResult(
-        name="diloco",
-        title=f"DiLoCo round of a byte-level transformer LM (d_model {first.d_model}, "
-        f"{first.layers} layers, H={first.inner_steps} AdamW steps of batch {first.batch} x "
-        f"{first.context} per replica, outer Nesterov SGD): bridge_mr against a torch loop over "
-        "replicas and torch.func.vmap",
-        unit="time per round (x = paired ratio to bridge_mr), replica steps/s; 'first call' "
-        "rows: one call each (bridge_mr: trace and compile)",
-    )
-    case.notes.append(
-        f"{first.params()['n_params']:,} parameters (float32), int64 byte tokens (int32 inside "
-        "JAX). bridge_mr: bridge_mr.algorithms.outer_step(local_training(from_torch(loss), "
-        "optax.adamw, steps=H), strategy='vmap'); torch_loop: one module, torch.optim.AdamW, "
-        "replicas one after another; torch_vmap: torch.func.vmap over replicas of H "
-        "hand-written AdamW steps (functional_call, torch.func.grad). All: fresh inner AdamW "
-        "state per round, outer torch.optim.SGD(nesterov=True) on minus the mean delta."
-    )
-    with harness.progress(len(configs), "diloco") as bar:
-        for cfg in configs:
-            bar.set_postfix_str(cfg.row_id)
-            _measure(ctx, cfg, case)
-            bar.update()
-    case.load = meter.read()
+    fields = {**dataclasses.asdict(configs[0]), "n_params": configs[0].params()["n_params"]}
+    title, note = TITLE.format(**fields), NOTE.format(**fields)
+    with report.case_result("diloco", title, UNIT, note) as case:
+        harness.each(configs, case.name, lambda cfg: _measure(ctx, cfg, case))
     return case

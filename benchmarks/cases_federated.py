@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 from . import harness, report, workloads
-from .environment import LoadMeter
 from .workloads import FedConfig
 
 BASELINE = "drjax"
@@ -115,76 +114,67 @@ def run_rounds(ctx: harness.Context, algo: str) -> report.CaseResult:
 
     Peak RSS ("auto"): the medium-model row with the most clients, in the full run.
     """
-    meter = LoadMeter()
     configs, notes = _round_configs(ctx, algo)
     title = {
         "fedsgd": "FedSGD round (mean client loss, gradient, one SGD step on the server)",
         "fedavg": f"FedAvg round ({configs[0].local_steps} local SGD steps per client, mean delta)",
     }[algo]
-    case = report.CaseResult(
-        name=algo,
-        title=title,
-        unit="time per round; (x) = ratio to the row's baseline (paired per repetition); "
-        "client updates/s; peak RSS of a fresh process that builds and runs that round once",
+    unit = (
+        "time per round; (x) = ratio to the row's baseline (paired per repetition); client "
+        "updates/s; peak RSS of a fresh process that builds and runs that round once"
     )
-    case.notes += notes
-    case.notes.append(
-        f"Per client per step: a batch of {configs[0].batch} examples; models: small "
-        f"{workloads.MODELS['small']} = {workloads.n_params(workloads.MODELS['small']):,} "
-        f"parameters, medium {workloads.MODELS['medium']} = "
-        f"{workloads.n_params(workloads.MODELS['medium']):,} parameters (float32)."
-    )
-    largest = max((cfg.clients for cfg in configs if cfg.model == "medium"), default=None)
-    memory = [
-        ctx.wants_memory(not ctx.quick and cfg.model == "medium" and cfg.clients == largest)
-        for cfg in configs
+    with report.case_result(algo, title, unit) as case:
+        case.notes += notes
+        case.notes.append(
+            f"Per client per step: a batch of {configs[0].batch} examples; models: small "
+            f"{workloads.MODELS['small']} = {workloads.n_params(workloads.MODELS['small']):,} "
+            f"parameters, medium {workloads.MODELS['medium']} = "
+            f"{workloads.n_params(workloads.MODELS['medium']):,} parameters (float32)."
+        )
+        largest = max((cfg.clients for cfg in configs if cfg.model == "medium"), default=None)
+        memory = [
+            ctx.wants_memory(not ctx.quick and cfg.model == "medium" and cfg.clients == largest)
+            for cfg in configs
+        ]
+        rows, comparisons = measure_configs(ctx, configs, memory, algo)
+        case.rows += rows
+        for cfg, row in zip(configs, rows, strict=True):
+            case.targets += _round_targets(cfg, row, comparisons[row["id"]])
+        if ctx.xla:
+            case.rows += xla_rows(ctx, configs, case)
+    return case
+
+
+def _round_targets(
+    cfg: FedConfig, row: dict[str, Any], comparison: harness.Comparison
+) -> list[dict[str, Any]]:
+    """The targets of one round's row: bridge_mr against drjax, and `_model_targets`'."""
+    references = [(BASELINE, 1.10, "bridge_mr time / drjax time"), *_model_targets(cfg)]
+    targets = [
+        report.paired_target(
+            cfg.algo,
+            row,
+            what,
+            comparison.ratio("bridge_mr", reference),
+            threshold,
+            "<=",
+            ("bridge_mr", reference),
+        )
+        for reference, threshold, what in references
     ]
-    rows, comparisons = measure_configs(ctx, configs, memory, algo)
-    case.rows += rows
-    for cfg, row in zip(configs, rows, strict=True):
-        comparison = comparisons[row["id"]]
-        ratio = comparison.ratio("bridge_mr", BASELINE)
-        case.targets.append(
-            report.target(
-                algo,
-                row["id"],
-                "bridge_mr time / drjax time",
-                None if ratio is None else ratio["median"],
-                1.10,
-                "<=",
-                report.versus(row, "bridge_mr", BASELINE),
+    if cfg.algo == "fedavg" and cfg.model == "small" and cfg.local_steps >= 10:
+        targets.append(
+            report.paired_target(
+                cfg.algo,
+                row,
+                "bridge_mr throughput / torch.func.vmap throughput",
+                comparison.ratio("torch_vmap", "bridge_mr"),
+                2.0,
+                ">=",
+                ("bridge_mr", "torch_vmap"),
             )
         )
-        for reference, threshold, what in _model_targets(cfg):
-            paired = comparison.ratio("bridge_mr", reference)
-            case.targets.append(
-                report.target(
-                    algo,
-                    row["id"],
-                    what,
-                    None if paired is None else paired["median"],
-                    threshold,
-                    "<=",
-                    report.versus(row, "bridge_mr", reference),
-                )
-            )
-        if algo == "fedavg" and cfg.model == "small" and cfg.local_steps >= 10:
-            speedup = comparison.ratio("torch_vmap", "bridge_mr")
-            case.targets.append(
-                report.target(
-                    algo,
-                    row["id"],
-                    "bridge_mr throughput / torch.func.vmap throughput",
-                    None if speedup is None else speedup["median"],
-                    2.0,
-                    ">=",
-                    report.versus(row, "bridge_mr", "torch_vmap"),
-                )
-            )
-    if ctx.xla:
-        case.rows += xla_rows(ctx, configs, case)
-    case.load = meter.read()
-    return case
+    return targets
 
 
 def run_scaling(ctx: harness.Context) -> report.CaseResult:
@@ -192,32 +182,33 @@ def run_scaling(ctx: harness.Context) -> report.CaseResult:
 
     Peak RSS ("auto"): every row of the full run, the largest client count of --quick.
     """
-    meter = LoadMeter()
     clients = ctx.clients or ((16, 128) if ctx.quick else (8, 32, 128, 512, 2048))
     configs = [FedConfig("fedavg", "small", c) for c in clients]
-    case = report.CaseResult(
-        name="scaling",
-        title=f"Scaling: small-model FedAvg round ({configs[0].local_steps} local steps) "
-        "vs number of clients",
-        unit="time per round; (x) = ratio to drjax; client updates/s; peak RSS of a fresh "
-        "process that builds and runs that round once",
+    title = (
+        f"Scaling: small-model FedAvg round ({configs[0].local_steps} local steps) vs number of "
+        "clients"
     )
-    if ctx.quick:
-        case.notes.append(
-            "--quick: clients {16, 128}, peak RSS at 128 only (the full run: 8 to 2048, "
-            "peak RSS at each)."
-        )
-    if max(clients) > 512:
-        case.notes.append(
-            "Cut: torch_loop above 512 clients (one Python iteration per client and step, so "
-            "linear in clients; at 2048 clients a round took 17 s in a trial run here)."
-        )
-    memory = [ctx.wants_memory(not ctx.quick or c == max(clients)) for c in clients]
-    rows, _ = measure_configs(ctx, configs, memory, "scaling", max_clients={"torch_loop": 512})
-    for row in rows:
-        row["id"] = f"c{row['params']['clients']}"
-    case.rows += rows
-    case.load = meter.read()
+    unit = (
+        "time per round; (x) = ratio to drjax; client updates/s; peak RSS of a fresh process "
+        "that builds and runs that round once"
+    )
+    with report.case_result("scaling", title, unit) as case:
+        if ctx.quick:
+            case.notes.append(
+                "--quick: clients {16, 128}, peak RSS at 128 only (the full run: 8 to 2048, "
+                "peak RSS at each)."
+            )
+        if max(clients) > 512:
+            case.notes.append(
+                "Cut: torch_loop above 512 clients (one Python iteration per client and step, "
+                "so linear in clients; at 2048 clients a round took 17 s in a trial run here)."
+            )
+        memory = [ctx.wants_memory(not ctx.quick or c == max(clients)) for c in clients]
+        limits = {"torch_loop": 512}
+        rows, _ = measure_configs(ctx, configs, memory, "scaling", max_clients=limits)
+        for row in rows:
+            row["id"] = f"c{row['params']['clients']}"
+        case.rows += rows
     return case
 
 
@@ -270,20 +261,18 @@ def xla_rows(
         "torch_xla (pure torch-xla: torch.func.vmap + functional_call on the XLA device). Only "
         "the small model up to 64 clients and the medium one at 8 (time budget)."
     )
-    for row in rows:
-        entry = row["alternatives"].get("bridge_mr_xla", {})
-        ratio = entry.get("ratio_to_baseline")
-        case.targets.append(
-            report.target(
-                case.name,
-                row["id"],
-                "bridge_mr on torch-xla time / pure torch-xla time",
-                None if ratio is None else ratio["median"],
-                1.0,
-                "<=",
-                report.versus(row, "bridge_mr_xla", "torch_xla"),
-            )
+    case.targets += [
+        report.paired_target(
+            case.name,
+            row,
+            "bridge_mr on torch-xla time / pure torch-xla time",
+            row["alternatives"].get("bridge_mr_xla", {}).get("ratio_to_baseline"),
+            1.0,
+            "<=",
+            ("bridge_mr_xla", "torch_xla"),
         )
+        for row in rows
+    ]
     return rows
 
 

@@ -24,14 +24,12 @@ import collections
 import dataclasses
 import functools
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import harness, report, workloads
-from .environment import LoadMeter
 
 JAX_TWIN = "bridge_mr_jax"
 FROM_TORCH = "bridge_mr_from_torch"
@@ -43,6 +41,25 @@ CLIENTS = (JAX_TWIN, FROM_TORCH, REDUCE_WINDOW)
 
 #: Client counts: the --quick run, the full run (the issue's 16 and 128).
 SIZES = ((4,), (16, 128))
+
+TITLE = (
+    "CIFAR10 FedAvg round with a torch-written client loss (from_torch) against its hand-written "
+    "JAX twin and torch.func.vmap (simple_cnn, {steps} local SGD steps of batch {batch})"
+)
+UNIT = (
+    "time per round (x = paired ratio to the JAX twin), client updates/s; 'first call' rows: "
+    "one call each (trace, compile and auto's measurements); 'trace' rows: jax.make_jaxpr of "
+    "one client's update"
+)
+NOTE = (
+    "{n_params:,} parameters (float32), int32 class labels, F.cross_entropy. bridge_mr_jax and "
+    "bridge_mr_from_torch: map_reduce's default strategy, the same client update (local steps "
+    "under lax.scan(unroll=True)) with the loss hand-written in JAX or from_torch of the torch "
+    "loss; bridge_mr_jax_reduce_window: the JAX twin with lax.reduce_window max-pooling "
+    "(torchax's lowering of max_pool2d; not a target, it shows what from_torch costs beyond "
+    "that); torch_vmap: torch.func.vmap over clients of the torch local steps (torch.func.grad "
+    "of the same torch loss). No peak-RSS rows."
+)
 
 #: Largest max |difference| between two alternatives' parameters after their first round
 #: (float32, different summation orders) for them to count as computing the same round.
@@ -92,19 +109,9 @@ def client_loss(name: str, model: Any) -> Callable[..., Any]:
 
 
 def client_update(loss: Callable[..., Any], lr: float) -> Callable[..., Any]:
-    """The JAX client function (params, (x, y)) -> delta: one SGD step of `loss` per batch,
-    under `lax.scan(unroll=True)` (as the "cnn" case's bridge_mr alternative)."""
-    import jax
-
-    def update(params: Any, data: tuple[Any, Any]) -> Any:
-        def step(p: Any, batch: tuple[Any, Any]) -> tuple[Any, None]:
-            grads = jax.grad(loss)(p, *batch)
-            return jax.tree.map(lambda a, g: a - lr * g, p, grads), None
-
-        final, _ = jax.lax.scan(step, params, data, unroll=True)
-        return jax.tree.map(lambda a, b: a - b, final, params)
-
-    return update
+    """The JAX client function (params, (x, y)) -> delta: one SGD step of `loss(params, x, y)`
+    per batch, under `lax.scan(unroll=True)` (as the "cnn" case's bridge_mr alternative)."""
+    return workloads.local_sgd(lambda p, batch: loss(p, *batch), lr, unroll=True)
 
 
 def _torch_data(cfg: workloads.RoundConfig) -> tuple[Any, Any]:
@@ -117,59 +124,27 @@ def _torch_data(cfg: workloads.RoundConfig) -> tuple[Any, Any]:
 def build_bridge_mr(cfg: workloads.RoundConfig, client: str) -> Callable[[], Any]:
     """The round from torch through `bridge_mr.map_reduce` (its default strategy) of the client
     update `client` (one of `CLIENTS`)."""
-    import bridge_mr
-
     model = workloads.round_torch_model(cfg)
-    # Detached, and no torch.no_grad() around map_reduce: from_torch traces under the caller's
-    # grad mode, and under no_grad its gradients are zero.
     server = {name: p.detach() for name, p in model.named_parameters()}
-    data = _torch_data(cfg)
     update = client_update(client_loss(client, model), cfg.lr)
-
-    def bridge_mr_round() -> Any:
-        delta = bridge_mr.map_reduce(update, server, data, reduce="mean")
-        for name, p in server.items():
-            p.add_(delta[name])
-        return list(server.values())
-
-    return bridge_mr_round
+    # Not under torch.no_grad(): from_torch traces under the caller's grad mode, and under
+    # no_grad its gradients are zero.
+    return workloads.bridge_mr_fedavg(update, server, _torch_data(cfg), no_grad=False)
 
 
 def build_torch_vmap(cfg: workloads.RoundConfig) -> Callable[[], Any]:
     """The round with `torch.func.vmap` over clients of the local steps, each step
     `torch.func.grad` of `torch_loss`."""
-    import torch
-    from torch.func import grad, vmap
-
     model = workloads.round_torch_model(cfg)
     server = {name: p.detach() for name, p in model.named_parameters()}
-    xs, ys = _torch_data(cfg)
-    loss_grad = grad(torch_loss(model))
-
-    def update(p: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
-        local = p
-        for k in range(cfg.local_steps):
-            g = loss_grad(local, x[k], y[k])
-            local = {name: local[name] - cfg.lr * g[name] for name in local}
-        return {name: local[name] - p[name] for name in p}
-
-    deltas_of = vmap(update, in_dims=(None, 0, 0))
-
-    def torch_vmap_round() -> Any:
-        deltas = deltas_of(server, xs, ys)
-        with torch.no_grad():
-            for name, p in server.items():
-                p.add_(deltas[name].mean(dim=0))
-        return list(server.values())
-
-    return torch_vmap_round
-
-
-def _timed_once(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = fn()
-    harness.sync(result)
-    return time.perf_counter() - start, result
+    loss = torch_loss(model)
+    return workloads.torch_vmap_fedavg(
+        server,
+        _torch_data(cfg),
+        lambda p, batch: loss(p, *batch),
+        local_steps=cfg.local_steps,
+        lr=cfg.lr,
+    )
 
 
 def _programs(cfg: workloads.RoundConfig) -> dict[str, Any]:
@@ -186,7 +161,7 @@ def _programs(cfg: workloads.RoundConfig) -> dict[str, Any]:
     for name in CLIENTS:
         jax.make_jaxpr(client_update(client_loss(name, model), cfg.lr))(params, client)
         update = client_update(client_loss(name, model), cfg.lr)  # Not in make_jaxpr's cache.
-        trace_s[name], _ = _timed_once(lambda u=update: jax.make_jaxpr(u)(params, client))
+        trace_s[name], _ = harness.time_once(lambda u=update: jax.make_jaxpr(u)(params, client))
         text = jax.jit(update).lower(params, client).as_text()
         ops[name] = collections.Counter(re.findall(r"= (?:\"?)(stablehlo\.[a-z_]+)", text))
     return {"trace_s": trace_s, "ops": ops}
@@ -214,7 +189,7 @@ def _measure(ctx: harness.Context, cfg: workloads.RoundConfig, case: report.Case
     first_s, after_first, picked = {}, {}, {}
     for name, fn in built.items():
         known = len(bridge_mr.map_reduce_choices())
-        first_s[name], after_first[name] = _timed_once(fn)
+        first_s[name], after_first[name] = harness.time_once(fn)
         for choice in bridge_mr.map_reduce_choices()[known:]:
             picked[name] = _picked(choice)
     reference = after_first[JAX_TWIN]
@@ -284,30 +259,26 @@ def _targets(
     row: dict[str, Any],
     comparison: harness.Comparison,
 ) -> None:
-    def paired(name: str, reference: str) -> float | None:
-        ratio = comparison.ratio(name, reference)
-        return None if ratio is None else ratio["median"]
-
     case.targets.append(
-        report.target(
+        report.paired_target(
             case.name,
-            row["id"],
+            row,
             "from_torch round time / hand-written JAX twin round time",
-            paired(FROM_TORCH, JAX_TWIN),
+            comparison.ratio(FROM_TORCH, JAX_TWIN),
             1.05,
             "<=",
-            report.versus(row, FROM_TORCH, JAX_TWIN),
+            (FROM_TORCH, JAX_TWIN),
         )
     )
     case.targets.append(
-        report.target(
+        report.paired_target(
             case.name,
-            row["id"],
+            row,
             "torch.func.vmap round time / from_torch round time (speedup)",
-            paired(TORCH_VMAP, FROM_TORCH),
+            comparison.ratio(TORCH_VMAP, FROM_TORCH),
             speedup_threshold(cfg.clients),
             ">=",
-            report.versus(row, FROM_TORCH, TORCH_VMAP),
+            (FROM_TORCH, TORCH_VMAP),
         )
     )
 
@@ -319,34 +290,12 @@ def run(
 
     `configs`: the rounds to measure instead of the "cnn" round at `ctx.clients` or `SIZES`.
     """
-    meter = LoadMeter()
     if configs is None:
         quick, full = SIZES
         clients = ctx.clients or (quick if ctx.quick else full)
         configs = [workloads.round_config("cnn", c) for c in clients]
-    case = report.CaseResult(
-        name="from_torch",
-        title="CIFAR10 FedAvg round with a torch-written client loss (from_torch) against its "
-        f"hand-written JAX twin and torch.func.vmap (simple_cnn, {configs[0].local_steps} local "
-        f"SGD steps of batch {configs[0].batch})",
-        unit="time per round (x = paired ratio to the JAX twin), client updates/s; "
-        "'first call' rows: one call each (trace, compile and auto's measurements); 'trace' "
-        "rows: jax.make_jaxpr of one client's update",
-    )
-    case.notes.append(
-        f"{configs[0].params()['n_params']:,} parameters (float32), int32 class labels, "
-        "F.cross_entropy. bridge_mr_jax and bridge_mr_from_torch: map_reduce's default "
-        "strategy, the same client update (local steps under lax.scan(unroll=True)) with the "
-        "loss hand-written in JAX or from_torch of the torch loss; bridge_mr_jax_reduce_window: "
-        "the JAX twin with lax.reduce_window max-pooling (torchax's lowering of max_pool2d; "
-        "not a target, it shows what from_torch costs beyond that); torch_vmap: torch.func.vmap "
-        "over clients of the torch local steps (torch.func.grad of the same torch loss). "
-        "No peak-RSS rows."
-    )
-    with harness.progress(len(configs), "from_torch") as bar:
-        for cfg in configs:
-            bar.set_postfix_str(cfg.row_id)
-            _measure(ctx, cfg, case)
-            bar.update()
-    case.load = meter.read()
+    title = TITLE.format(steps=configs[0].local_steps, batch=configs[0].batch)
+    note = NOTE.format(n_params=configs[0].params()["n_params"])
+    with report.case_result("from_torch", title, UNIT, note) as case:
+        harness.each(configs, case.name, lambda cfg: _measure(ctx, cfg, case))
     return case

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from . import harness, report, workloads
-from .environment import LoadMeter
+
+TITLE = "Physical limits: reduce bandwidth vs memcpy, model GFLOP/s vs large matmul"
+UNIT = "time per call; (x) = ratio to the row's baseline; GB/s (bytes moved) or GFLOP/s"
+NOTE = (
+    "Bandwidth counts bytes moved: a copy reads and writes N bytes (2N); a reduction over "
+    "clients reads N and writes N/clients. FLOPs: matmuls of forward and backward only."
+)
 
 
 def _reduce_row(ctx: harness.Context, case: report.CaseResult) -> dict[str, Any]:
@@ -144,30 +150,24 @@ def _client_update_row(ctx: harness.Context, peak: float | None) -> dict[str, An
 
 def run(ctx: harness.Context) -> report.CaseResult:
     """Case 5."""
-    meter = LoadMeter()
-    case = report.CaseResult(
-        name="limits",
-        title="Physical limits: reduce bandwidth vs memcpy, model GFLOP/s vs large matmul",
-        unit="time per call; (x) = ratio to the row's baseline; GB/s (bytes moved) or GFLOP/s",
-    )
-    case.notes.append(
-        "Bandwidth counts bytes moved: a copy reads and writes N bytes (2N); a reduction over "
-        "clients reads N and writes N/clients. FLOPs: matmuls of forward and backward only."
-    )
-    with harness.progress(3, "limits") as bar:
-        bar.set_postfix_str("reduce_sum")
-        case.rows.append(_reduce_row(ctx, case))
-        bar.update()
-        bar.set_postfix_str("matmul")
-        matmul = _matmul_row(ctx)
-        case.rows.append(matmul)
-        bar.update()
-        rates = [e["gflop_per_s"] for e in matmul["alternatives"].values() if "gflop_per_s" in e]
-        peak = max(rates) if rates else None
-        bar.set_postfix_str("client update")
-        case.rows.append(_client_update_row(ctx, peak))
-        bar.update()
-    if peak:
-        case.notes.append(f"Large-matmul reference: {peak:.1f} GFLOP/s (best of the matmul row).")
-    case.load = meter.read()
+    with report.case_result("limits", TITLE, UNIT, NOTE) as case:
+        with harness.progress(3, "limits") as bar:
+            bar.set_postfix_str("reduce_sum")
+            case.rows.append(_reduce_row(ctx, case))
+            bar.update()
+            bar.set_postfix_str("matmul")
+            matmul = _matmul_row(ctx)
+            case.rows.append(matmul)
+            bar.update()
+            rates = [
+                e["gflop_per_s"] for e in matmul["alternatives"].values() if "gflop_per_s" in e
+            ]
+            peak = max(rates) if rates else None
+            bar.set_postfix_str("client update")
+            case.rows.append(_client_update_row(ctx, peak))
+            bar.update()
+        if peak:
+            case.notes.append(
+                f"Large-matmul reference: {peak:.1f} GFLOP/s (best of the matmul row)."
+            )
     return case

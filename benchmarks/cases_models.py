@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 
 from . import harness, report, workloads
-from .environment import LoadMeter
 
 BASELINE = "torch_loop"
 
@@ -129,7 +128,6 @@ def _targets(case: report.CaseResult, model: str, row: dict[str, Any]) -> None:
 
 def run(ctx: harness.Context, model: str) -> report.CaseResult:
     """The model's FedAvg round at each client count; peak RSS ("auto"): every row."""
-    meter = LoadMeter()
     quick, full = SIZES[model]
     clients = ctx.clients or (quick if ctx.quick else full)
     configs = [workloads.round_config(model, c) for c in clients]
@@ -140,42 +138,46 @@ def run(ctx: harness.Context, model: str) -> report.CaseResult:
         "lm": f"Transformer LM FedAvg round (2 layers, d_model 128, 4 heads, seq {cfg.seq}, "
         f"byte vocabulary; {cfg.local_steps} local steps of {cfg.batch} sequences)",
     }[model]
-    case = report.CaseResult(
-        name=model,
-        title=title,
-        unit="time per round; (x) = ratio to the torch loop (paired per repetition); client "
-        "updates/s; peak RSS of a fresh process that builds and runs that round once",
+    unit = (
+        "time per round; (x) = ratio to the torch loop (paired per repetition); client "
+        "updates/s; peak RSS of a fresh process that builds and runs that round once"
     )
-    case.notes.append(
+    with report.case_result(model, title, unit) as case:
+        case.notes += _notes(model, cfg, clients)
+        case.rows += _measure(ctx, configs, ctx.wants_memory(True), model)
+        for row in case.rows:
+            _targets(case, model, row)
+    return case
+
+
+def _notes(model: str, cfg: workloads.RoundConfig, clients: tuple[int, ...]) -> list[str]:
+    """What the case's alternatives and data are, and what was cut."""
+    notes = [
         f"{cfg.params()['n_params']:,} parameters (float32). bridge_mr: `map_reduce` with the "
         "local steps under `lax.scan(unroll=True)`; bridge_mr_rolled: the same with a rolled "
         "scan (as the README writes it); xla_per_client: one jitted single-client program "
         "(update + accumulation into the delta sum) called per client from Python; drjax: "
         "the same client function, one jit; torch_vmap: torch.func.vmap of grad of "
         "functional_call; torch_loop: nn.Module + torch.optim.SGD, a loop over clients."
-    )
+    ]
     if model == "cnn":
-        case.notes.append(
+        notes.append(
             "Data: synthetic CIFAR-shaped inputs (standard normal, NCHW [3, 32, 32]) and "
             "one-hot labels, seeded; pfl's dropout layers left out (a deterministic round)."
         )
     else:
-        case.notes.append(
+        notes.append(
             "Data: consecutive windows of the Python standard library's .py sources as bytes."
         )
     if not workloads.map_reduce_strategies():
-        case.notes.append(
+        notes.append(
             "bridge_mr.map_reduce has no strategy= yet: no per-strategy bridge_mr columns."
         )
     else:
-        case.notes.append(
+        notes.append(
             "bridge_mr and bridge_mr_rolled use map_reduce's default strategy; bridge_mr:<s> "
             f"forces strategy=<s> (chunks: chunk_size={cfg.chunk_size}), local steps unrolled."
         )
     if max(clients) > min(MAX_CLIENTS.values()):
-        case.notes.append(f"Cut (time budget): {MAX_CLIENTS}.")
-    case.rows += _measure(ctx, configs, ctx.wants_memory(True), model)
-    for row in case.rows:
-        _targets(case, model, row)
-    case.load = meter.read()
-    return case
+        notes.append(f"Cut (time budget): {MAX_CLIENTS}.")
+    return notes

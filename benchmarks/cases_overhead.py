@@ -9,11 +9,11 @@ computes nothing), so that floor + pure JAX bounds any bridge from below.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 from . import harness, report, workloads
-from .environment import LoadMeter
 
 #: (row id, params, contestants, targets as (reference prefix, threshold)).
 ROWS: list[tuple[str, dict[str, int], Callable[[], dict[str, Any]], list[tuple[str, float]]]] = [
@@ -62,48 +62,52 @@ def _lower_bound(row: dict[str, Any], bridge: str, jax_name: str) -> str | None:
     )
 
 
+def _row(
+    ctx: harness.Context,
+    case: report.CaseResult,
+    spec: tuple[str, dict[str, int], Callable[[], dict[str, Any]], list[tuple[str, float]]],
+) -> None:
+    """One of `ROWS`: its comparison, its targets, and the lower-bound note."""
+    row_id, params, make, targets = spec
+    contestants = make()
+    jax_name = _named(contestants, "pure JAX")
+    comparison = harness.compare(contestants, baseline=jax_name, policy=ctx.policy)
+    row = report.comparison_row(comparison, row_id, params)
+    case.rows.append(row)
+    bridge = _named(contestants, "bridge")
+    for prefix, threshold in targets:
+        reference = _named(contestants, prefix)
+        case.targets.append(
+            report.paired_target(
+                "overhead",
+                row,
+                f"{bridge} time / {reference} time",
+                comparison.ratio(bridge, reference),
+                threshold,
+                "<=",
+                (bridge, reference),
+            )
+        )
+    bound = _lower_bound(row, bridge, jax_name)
+    if bound is not None:
+        case.notes.append(bound)
+
+
 def run(ctx: harness.Context) -> report.CaseResult:
     """Case 2."""
-    meter = LoadMeter()
-    case = report.CaseResult(
-        name="overhead",
-        title="Bridge overhead: forward+backward through bridge_mr vs pure JAX vs pure torch",
-        unit="time per forward+backward; (x) = ratio to pure JAX",
-    )
-    bounds = []
-    with harness.progress(len(ROWS), "overhead") as bar:
-        for row_id, params, make, targets in ROWS:
-            bar.set_postfix_str(row_id)
-            contestants = make()
-            jax_name = _named(contestants, "pure JAX")
-            comparison = harness.compare(contestants, baseline=jax_name, policy=ctx.policy)
-            row = report.comparison_row(comparison, row_id, params)
-            case.rows.append(row)
-            bridge = _named(contestants, "bridge")
-            for prefix, threshold in targets:
-                reference = _named(contestants, prefix)
-                ratio = comparison.ratio(bridge, reference)
-                case.targets.append(
-                    report.target(
-                        "overhead",
-                        row_id,
-                        f"{bridge} time / {reference} time",
-                        None if ratio is None else ratio["median"],
-                        threshold,
-                        "<=",
-                        report.versus(row, bridge, reference),
-                    )
-                )
-            bounds.append(_lower_bound(row, bridge, jax_name))
-            bar.update()
-    case.notes.append(
-        "map_reduce rows: forward+backward only (no optimizer step); bridge_mr and the torch "
-        "loop leave gradients in .grad, pure JAX returns them. Targets from the torch_api issue."
-    )
-    case.notes.append(
-        "torch autograd floor: one custom autograd node with the bridge's inputs and outputs "
-        "that only allocates its results; floor + pure JAX bounds any bridge from below."
-    )
-    case.notes += [bound for bound in bounds if bound is not None]
-    case.load = meter.read()
+    title = "Bridge overhead: forward+backward through bridge_mr vs pure JAX vs pure torch"
+    with report.case_result(
+        "overhead", title, "time per forward+backward; (x) = ratio to pure JAX"
+    ) as case:
+        case.notes.append(
+            "map_reduce rows: forward+backward only (no optimizer step); bridge_mr and the "
+            "torch loop leave gradients in .grad, pure JAX returns them. Targets from the "
+            "torch_api issue."
+        )
+        case.notes.append(
+            "torch autograd floor: one custom autograd node with the bridge's inputs and "
+            "outputs that only allocates its results; floor + pure JAX bounds any bridge from "
+            "below."
+        )
+        harness.each(ROWS, "overhead", lambda spec: _row(ctx, case, spec), operator.itemgetter(0))
     return case

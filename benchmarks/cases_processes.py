@@ -22,12 +22,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from . import harness, report
-from .environment import LoadMeter
 
-WORKER = Path(__file__).with_name("processes_worker.py")
+#: The torchrun worker, run as a module of this package (it times through the harness).
+WORKER = "benchmarks.processes_worker"
 ONE, TWO, ALL_REDUCE, AGREE = "one_process", "two_processes", "all_reduce_only", "agree_only"
 CLIENTS = 16
 FEATURES, CLASSES = 64, 10
@@ -57,12 +56,14 @@ def launch(processes: int, hiddens: tuple[int, ...], reps: int, timeout: float =
                 "torch.distributed.run",
                 f"--nproc-per-node={processes}",
                 f"--master-port={_free_port()}",
-                str(WORKER),
+                "-m",
+                WORKER,
                 out,
                 str(CLIENTS),
                 str(reps),
                 ",".join(map(str, hiddens)),
             ],
+            cwd=harness.PACKAGE_ROOT,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -76,27 +77,25 @@ def launch(processes: int, hiddens: tuple[int, ...], reps: int, timeout: float =
 
 def run(ctx: harness.Context) -> report.CaseResult:
     """Both rounds at each payload, in one process and in two."""
-    meter = LoadMeter()
     hiddens = HIDDENS[0] if ctx.quick else HIDDENS[1]
     reps = max(ctx.policy.min_reps, 5)
-    case = report.CaseResult(
-        name="processes",
-        title=f"FedSGD / FedAvg rounds of {CLIENTS} clients: one process against two (torchrun, "
-        "gloo)",
-        unit="time per round (x = ratio to one process, from separate launches); "
-        "all_reduce_only / agree_only: that collective alone, in the two-process run",
+    title = f"FedSGD / FedAvg rounds of {CLIENTS} clients: one process against two (torchrun, gloo)"
+    unit = (
+        "time per round (x = ratio to one process, from separate launches); all_reduce_only / "
+        "agree_only: that collective alone, in the two-process run"
     )
-    case.notes.append(
-        "The two launches run one after the other, not interleaved; two processes share this "
-        "machine's cores. two_processes - one_process is what crossing processes costs per "
-        "round here; all_reduce_only is the payload's all-reduce, agree_only the per-call "
-        "agreement (client counts and the call's fingerprint)."
-    )
-    with harness.progress(2, "processes") as bar:
-        one = launch(1, hiddens, reps)
-        bar.update()
-        two = launch(2, hiddens, reps)
-        bar.update()
+    with report.case_result("processes", title, unit) as case:
+        case.notes.append(
+            "The two launches run one after the other, not interleaved; two processes share "
+            "this machine's cores. two_processes - one_process is what crossing processes "
+            "costs per round here; all_reduce_only is the payload's all-reduce, agree_only the "
+            "per-call agreement (client counts and the call's fingerprint)."
+        )
+        with harness.progress(2, "processes") as bar:
+            one = launch(1, hiddens, reps)
+            bar.update()
+            two = launch(2, hiddens, reps)
+            bar.update()
     for hidden in hiddens:
         for kind in ("fedsgd", "fedavg"):
             key = f"{kind}/{hidden}"
@@ -115,5 +114,4 @@ def run(ctx: harness.Context) -> report.CaseResult:
                     {"round": kind, "clients": CLIENTS, "params": n, "payload_mib": n * 4 / 2**20},
                 )
             )
-    case.load = meter.read()
     return case

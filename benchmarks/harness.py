@@ -1,7 +1,9 @@
 """Measurement: interleaved timed repetitions, synced clocks, peak RSS of a fresh child process.
 
-The suite's only timing loop: every case and every `python -m benchmarks.*` entry point times
-through `compare`, so all their numbers mean the same thing.
+The suite's only clock: every case and every `python -m benchmarks.*` entry point times through
+`compare` (interleaved repetitions), or, for what `compare` cannot time, through `time_once` (a
+first call), `time_calls` (calls in a row) and `rounds` (a few rounds of calls in a fixed
+order), so that every number is taken the same way: the clock stops once the results are synced.
 
 Every alternative of a comparison is a zero-argument callable that does one unit of work (one
 round, one call) and returns its results. The clock stops only after those results are synced:
@@ -19,8 +21,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -229,6 +233,74 @@ def _timed(
         timing.samples.clear()
         del runnable[name]
         return None
+
+
+def time_once(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds of one call of `fn` until its results are synced, and those results.
+
+    For what happens once: a first call (trace and compile), one trace.
+    """
+    start = time.perf_counter()
+    result = fn()
+    sync(result)
+    return time.perf_counter() - start, result
+
+
+def time_calls(fn: Callable[[], Any], calls: int) -> list[float]:
+    """Seconds of each of `calls` synced calls of `fn`, one after another, none untimed.
+
+    For a workload `compare` cannot interleave (a pipeline run, a collective in a torchrun
+    worker); warm it up before.
+    """
+    return [time_once(fn)[0] for _ in range(calls)]
+
+
+@dataclasses.dataclass
+class Rounds:
+    """What `rounds` measured.
+
+    Attributes:
+      seconds: alternative -> seconds of its call in each round, in round order.
+      load_1min: the 1-minute load average at the start of each round.
+    """
+
+    seconds: dict[str, list[float]]
+    load_1min: list[float]
+
+
+def rounds(prepare: Mapping[str, Callable[[], Callable[[], Any]]], count: int) -> Rounds:
+    """`count` rounds, each one synced call of every alternative in order (A B, A B, ...).
+
+    Unlike `compare`: no warm-up, no calibration, one call per sample, the same order in each
+    round, and the load average beside each round: for a few later calls after a first call
+    timed on its own (`time_once`).
+
+    Args:
+      prepare: name -> a function that prepares one call, untimed (fresh inputs, say), and
+        returns the zero-argument call to time.
+      count: rounds.
+    """
+    result = Rounds({name: [] for name in prepare}, [])
+    for _ in range(count):
+        result.load_1min.append(os.getloadavg()[0])
+        for name, make in prepare.items():
+            result.seconds[name].append(time_once(make())[0])
+    return result
+
+
+def each(
+    items: Sequence[_T],
+    desc: str,
+    measure: Callable[[_T], Any],
+    label: Callable[[_T], str] = lambda item: item.row_id,
+) -> None:
+    """`measure(item)` for each item, under a progress bar `desc` showing `label(item)` (by
+    default the item's `row_id`)."""
+    with progress(len(items), desc) as bar:
+        for item in items:
+            bar.set_postfix_str(label(item))
+            measure(item)
+            bar.update()
 
 
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"

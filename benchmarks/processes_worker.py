@@ -1,8 +1,10 @@
 """The torchrun worker of the "processes" case: times FedSGD / FedAvg rounds over every rank's
 clients, and (with several processes) one all-reduce of the payload and one agreement.
 
-    python -m torch.distributed.run --nproc-per-node=K benchmarks/processes_worker.py \
+    python -m torch.distributed.run --nproc-per-node=K -m benchmarks.processes_worker \
         OUT.json CLIENTS REPS HIDDEN[,HIDDEN...]
+
+(from the repository root: the rounds are timed by `benchmarks.harness`).
 
 For each hidden width (the payload: an MLP of 64 -> HIDDEN -> 10) and each round (FedSGD, then
 FedAvg), rank 0 writes {"<round>/<hidden>": {"round": [seconds per round], "all_reduce": [...],
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import jax
 
@@ -27,6 +28,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from . import harness  # noqa: E402
 
 FEATURES, CLASSES, BATCH, LOCAL_STEPS = 64, 10, 32, 2
 
@@ -76,13 +79,13 @@ def measure(kind: str, hidden: int, clients: int, reps: int) -> dict[str, list[f
         opt.step()
 
     round_ = fedsgd if kind == "fedsgd" else fedavg
-    timings: dict[str, list[float]] = {"round": [], "all_reduce": [], "agree": []}
     for _ in range(2):
         round_()  # Compiles.
-    for _ in range(reps):
-        start = time.perf_counter()
-        round_()
-        timings["round"].append(time.perf_counter() - start)
+    timings: dict[str, list[float]] = {
+        "round": harness.time_calls(round_, reps),
+        "all_reduce": [],
+        "agree": [],
+    }
     if PROCESS.world_size > 1:
         size = sum(v.numel() for v in params.values())
         # One CPU device per process, as map_reduce's cross-process program uses.
@@ -93,14 +96,11 @@ def measure(kind: str, hidden: int, clients: int, reps: int) -> dict[str, list[f
         stacked = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), local)
         total = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, P()))
         total(stacked).block_until_ready()
-        for _ in range(reps):
-            start = time.perf_counter()
-            total(stacked).block_until_ready()
-            timings["all_reduce"].append(time.perf_counter() - start)
-        for _ in range(reps):
-            start = time.perf_counter()
-            bridge_mr.distributed.agree(per, "benchmark", None, (), where="benchmark")
-            timings["agree"].append(time.perf_counter() - start)
+        timings["all_reduce"] = harness.time_calls(lambda: total(stacked), reps)
+        timings["agree"] = harness.time_calls(
+            lambda: bridge_mr.distributed.agree(per, "benchmark", None, (), where="benchmark"),
+            reps,
+        )
     return timings
 
 

@@ -16,11 +16,14 @@ JSON layout (`SCHEMA`), written to `results.json`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
+from .environment import LoadMeter
 from .harness import Comparison
 
 SCHEMA = "bridge_mr.benchmarks/1"
@@ -47,6 +50,16 @@ class CaseResult:
             "load": self.load,
             "rows": self.rows,
         }
+
+
+@contextlib.contextmanager
+def case_result(name: str, title: str, unit: str, *notes: str) -> Iterator[CaseResult]:
+    """A new case's result, with `notes`; its `load` is set to how busy other processes kept
+    the CPUs while the `with` block (the case's measurements) ran."""
+    meter = LoadMeter()
+    case = CaseResult(name=name, title=title, unit=unit, notes=list(notes))
+    yield case
+    case.load = meter.read()
 
 
 def comparison_row(
@@ -111,6 +124,21 @@ def target(
         "met": met,
         "detail": detail,
     }
+
+
+def paired_target(
+    case: str,
+    row: dict[str, Any],
+    description: str,
+    ratio: dict[str, float] | None,
+    threshold: float,
+    direction: str,
+    shown: tuple[str, str],
+) -> dict[str, Any]:
+    """A `target` on the median of a paired ratio (`Comparison.ratio`; None: not measured),
+    detailed by `versus(row, *shown)`."""
+    value = None if ratio is None else ratio["median"]
+    return target(case, row["id"], description, value, threshold, direction, versus(row, *shown))
 
 
 def versus(row: dict[str, Any], name: str, reference: str) -> str:

@@ -15,6 +15,7 @@ downloaded weights, no torchvision).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,8 @@ from torch import nn
 
 Batch = dict[str, torch.Tensor]
 State = dict[str, torch.Tensor]
+#: A client loss in torch: `loss(model, state, batch)`.
+Loss = Callable[[nn.Module, State, Batch], torch.Tensor]
 
 VOCAB = 64
 SEQ = 16
@@ -50,7 +53,7 @@ class ZooModel:
     source: str
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator, int], Batch]
-    loss: Callable[[nn.Module, State, Batch], torch.Tensor]
+    loss: Loss
     batch_norm: bool
     what: str
 
@@ -116,140 +119,58 @@ def _nn_loss(model: nn.Module, state: State, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(torch.func.functional_call(model, state, inputs), batch["labels"])
 
 
-def _gpt2(attention: str) -> nn.Module:
-    import transformers
+_GPT2 = ("GPT2Config", "GPT2LMHeadModel", dict(
+    vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))  # fmt: skip
 
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=2 * SEQ,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    config._attn_implementation = attention
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama() -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention
-        max_position_embeddings=2 * SEQ,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _bert() -> nn.Module:
-    import transformers
-
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=2 * SEQ,
-        num_labels=CLASSES,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=0,
-    )
-    return transformers.BertForSequenceClassification(config)
-
-
-def _t5() -> nn.Module:
-    import transformers
-
-    config = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        dropout_rate=0.0,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return transformers.T5ForConditionalGeneration(config)
-
-
-def _vit() -> nn.Module:
-    import transformers
-
-    config = transformers.ViTConfig(
-        image_size=IMAGE,
-        patch_size=8,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=CLASSES,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.ViTForImageClassification(config)
-
-
-def _resnet() -> nn.Module:
-    import transformers
-
-    config = transformers.ResNetConfig(
-        embedding_size=16,
-        hidden_sizes=[16, 32],
-        depths=[1, 1],
-        layer_type="basic",
-        num_labels=CLASSES,
-    )
-    return transformers.ResNetForImageClassification(config)
-
-
-def _convnext() -> nn.Module:
-    import transformers
-
-    config = transformers.ConvNextConfig(
-        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=CLASSES, drop_path_rate=0.0
-    )
-    return transformers.ConvNextForImageClassification(config)
-
-
-def _mobilenet_v2() -> nn.Module:
-    import transformers
-
-    config = transformers.MobileNetV2Config(
-        image_size=IMAGE, depth_multiplier=0.35, num_labels=CLASSES, classifier_dropout_prob=0.0
-    )
-    return transformers.MobileNetV2ForImageClassification(config)
-
-
-def _efficientnet() -> nn.Module:
-    import transformers
-
-    config = transformers.EfficientNetConfig(
-        image_size=IMAGE,
-        width_coefficient=0.25,
-        depth_coefficient=0.25,
+#: The transformers models: zoo name -> (config class, model class, the config's arguments).
+TRANSFORMERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt2": _GPT2,
+    "gpt2_eager": _GPT2,
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=2 * SEQ, bos_token_id=0, eos_token_id=0)),
+    "bert": ("BertConfig", "BertForSequenceClassification", dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=2 * SEQ, num_labels=CLASSES,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)),
+    "vit": ("ViTConfig", "ViTForImageClassification", dict(
+        image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, num_labels=CLASSES,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "resnet": ("ResNetConfig", "ResNetForImageClassification", dict(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+        num_labels=CLASSES)),
+    "convnext": ("ConvNextConfig", "ConvNextForImageClassification", dict(
+        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=CLASSES,
+        drop_path_rate=0.0)),
+    "mobilenet_v2": ("MobileNetV2Config", "MobileNetV2ForImageClassification", dict(
+        image_size=IMAGE, depth_multiplier=0.35, num_labels=CLASSES,
+        classifier_dropout_prob=0.0)),
+    "efficientnet": ("EfficientNetConfig", "EfficientNetForImageClassification", dict(
+        image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.25,
         hidden_dim=320,  # the top convolution's width: round_filters(1280) at width 0.25
-        dropout_rate=0.0,
-        drop_connect_rate=0.0,
-        num_labels=CLASSES,
-    )
-    return transformers.EfficientNetForImageClassification(config)
+        dropout_rate=0.0, drop_connect_rate=0.0, num_labels=CLASSES)),
+}  # fmt: skip
+
+#: The attention implementation of the zoo's GPT-2 variants, set on the config once it is made.
+ATTENTION = {"gpt2": "sdpa", "gpt2_eager": "eager"}
+
+
+def _transformers_model(name: str) -> nn.Module:
+    """A new `TRANSFORMERS` model `name`, random init."""
+    import transformers
+
+    config_class, model_class, fields = TRANSFORMERS[name]
+    config = getattr(transformers, config_class)(**fields)
+    if name in ATTENTION:
+        config._attn_implementation = ATTENTION[name]
+    return getattr(transformers, model_class)(config)
 
 
 class RecurrentClassifier(nn.Module):
@@ -304,43 +225,58 @@ class GroupNormCNN(nn.Module):
         return self.head(self.features(pixel_values).flatten(1))
 
 
-def _entries() -> list[ZooModel]:
-    hf = "transformers"
-    return [
-        ZooModel("gpt2", hf, lambda: _gpt2("sdpa"), _lm_batch, _lm_loss, False,
-                 "GPT2LMHeadModel, sdpa attention, labels= loss"),
-        ZooModel("gpt2_eager", hf, lambda: _gpt2("eager"), _lm_batch, _lm_loss, False,
-                 "GPT2LMHeadModel, eager attention"),
-        ZooModel("llama", hf, _llama, _lm_batch, _lm_loss, False,
-                 "LlamaForCausalLM, sdpa, grouped-query attention, rotary embeddings"),
-        ZooModel("bert", hf, _bert, _classify_batch, _hf_loss, False,
-                 "BertForSequenceClassification with a padding attention_mask"),
-        ZooModel("t5", hf, _t5, _seq2seq_batch, _hf_loss, False,
-                 "T5ForConditionalGeneration (encoder-decoder, relative position buckets), "
-                 "padding mask, labels="),
-        ZooModel("vit", hf, _vit, _image_batch, _hf_loss, False,
-                 "ViTForImageClassification"),
-        ZooModel("resnet", hf, _resnet, _image_batch, _hf_loss, True,
-                 "ResNetForImageClassification (BatchNorm, running statistics via mutable=)"),
-        ZooModel("convnext", hf, _convnext, _image_batch, _hf_loss, False,
+#: The zoo: name -> (batch maker, loss, whether training updates buffers, what it exercises).
+_TABLE: dict[str, tuple[Callable[[torch.Generator, int], Batch], Loss, bool, str]] = {
+    "gpt2": (_lm_batch, _lm_loss, False,
+             "GPT2LMHeadModel, sdpa attention, labels= loss"),
+    "gpt2_eager": (_lm_batch, _lm_loss, False,
+                   "GPT2LMHeadModel, eager attention"),
+    "llama": (_lm_batch, _lm_loss, False,
+              "LlamaForCausalLM, sdpa, grouped-query attention, rotary embeddings"),
+    "bert": (_classify_batch, _hf_loss, False,
+             "BertForSequenceClassification with a padding attention_mask"),
+    "t5": (_seq2seq_batch, _hf_loss, False,
+           "T5ForConditionalGeneration (encoder-decoder, relative position buckets), "
+           "padding mask, labels="),
+    "vit": (_image_batch, _hf_loss, False,
+            "ViTForImageClassification"),
+    "resnet": (_image_batch, _hf_loss, True,
+               "ResNetForImageClassification (BatchNorm, running statistics via mutable=)"),
+    "convnext": (_image_batch, _hf_loss, False,
                  "ConvNextForImageClassification (depthwise 7x7, LayerNorm, layer scale)"),
-        ZooModel("mobilenet_v2", hf, _mobilenet_v2, _image_batch, _hf_loss, True,
-                 "MobileNetV2ForImageClassification (depthwise, BatchNorm, ReLU6)"),
-        ZooModel("efficientnet", hf, _efficientnet, _image_batch, _hf_loss, True,
-                 "EfficientNetForImageClassification (squeeze-excite, BatchNorm, SiLU)"),
-        ZooModel("lstm_text", "torch.nn", lambda: RecurrentClassifier(nn.LSTM), _text_batch,
-                 _nn_loss, False, "nn.Embedding -> 2-layer nn.LSTM (batch_first) -> nn.Linear"),
-        ZooModel("gru_text", "torch.nn", lambda: RecurrentClassifier(nn.GRU), _text_batch,
-                 _nn_loss, False, "nn.Embedding -> 2-layer nn.GRU (batch_first) -> nn.Linear"),
-        ZooModel("transformer_encoder", "torch.nn", EncoderClassifier, _padded_text_batch,
-                 _nn_loss, False, "nn.TransformerEncoder with src_key_padding_mask"),
-        ZooModel("cnn_groupnorm", "torch.nn", GroupNormCNN, _image_batch, _nn_loss, False,
-                 "Conv2d, GroupNorm, SiLU, max-pool, adaptive avg-pool"),
-    ]  # fmt: skip
+    "mobilenet_v2": (_image_batch, _hf_loss, True,
+                     "MobileNetV2ForImageClassification (depthwise, BatchNorm, ReLU6)"),
+    "efficientnet": (_image_batch, _hf_loss, True,
+                     "EfficientNetForImageClassification (squeeze-excite, BatchNorm, SiLU)"),
+    "lstm_text": (_text_batch, _nn_loss, False,
+                  "nn.Embedding -> 2-layer nn.LSTM (batch_first) -> nn.Linear"),
+    "gru_text": (_text_batch, _nn_loss, False,
+                 "nn.Embedding -> 2-layer nn.GRU (batch_first) -> nn.Linear"),
+    "transformer_encoder": (_padded_text_batch, _nn_loss, False,
+                            "nn.TransformerEncoder with src_key_padding_mask"),
+    "cnn_groupnorm": (_image_batch, _nn_loss, False,
+                      "Conv2d, GroupNorm, SiLU, max-pool, adaptive avg-pool"),
+}  # fmt: skip
+
+#: The torch.nn models' constructors (the others are `TRANSFORMERS`').
+_TORCH_NN: dict[str, Callable[[], nn.Module]] = {
+    "lstm_text": lambda: RecurrentClassifier(nn.LSTM),
+    "gru_text": lambda: RecurrentClassifier(nn.GRU),
+    "transformer_encoder": EncoderClassifier,
+    "cnn_groupnorm": GroupNormCNN,
+}
+
+
+def _zoo_model(name: str) -> ZooModel:
+    batch, loss, batch_norm, what = _TABLE[name]
+    if name in TRANSFORMERS:
+        build = functools.partial(_transformers_model, name)
+        return ZooModel(name, "transformers", build, batch, loss, batch_norm, what)
+    return ZooModel(name, "torch.nn", _TORCH_NN[name], batch, loss, batch_norm, what)
 
 
 #: The zoo by name.
-ZOO: dict[str, ZooModel] = {m.name: m for m in _entries()}
+ZOO: dict[str, ZooModel] = {name: _zoo_model(name) for name in _TABLE}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
@@ -373,48 +309,44 @@ def timings(names: list[str], rounds: int = 5) -> list[dict[str, Any]]:
 
     Run as `python -m benchmarks.zoo [NAME ...]`, which prints a markdown table.
     """
-    import os
+    return [_timing(name, rounds) for name in names]
+
+
+def _timing(name: str, rounds: int) -> dict[str, Any]:
+    """`timings`' row of one model."""
     import statistics
-    import time
 
     import jax
     import jax.numpy as jnp
 
     import bridge_mr
 
-    rows = []
-    for name in names:
-        entry = ZOO[name]
-        model = build(name)
-        params, buffers = split_state(model)
-        batch = entry.batch(torch.Generator().manual_seed(1), 4)
-        loss = client_loss(entry, model)
-        converted = bridge_mr.from_torch(loss, mutable=1 if entry.batch_norm else ())
-        step = jax.jit(jax.value_and_grad(converted, has_aux=entry.batch_norm))
-        args = jax.tree.map(lambda t: jnp.asarray(t.numpy()), (params, buffers, batch))
-        start = time.perf_counter()
-        jax.block_until_ready(step(*args))
-        first = time.perf_counter() - start
-        ours, theirs, loads = [], [], []
-        for _ in range(rounds):
-            loads.append(os.getloadavg()[0])
-            start = time.perf_counter()
-            jax.block_until_ready(step(*args))
-            ours.append(time.perf_counter() - start)
-            trainable = {k: v.clone().requires_grad_() for k, v in params.items()}
-            start = time.perf_counter()
-            loss(trainable, {k: v.clone() for k, v in buffers.items()}, batch).backward()
-            theirs.append(time.perf_counter() - start)
-        rows.append(
-            {
-                "name": name,
-                "first_call_s": first,
-                "step_ms": 1e3 * statistics.median(ours),
-                "torch_eager_ms": 1e3 * statistics.median(theirs),
-                "load_1min": max(loads),
-            }
-        )
-    return rows
+    from . import harness
+
+    entry = ZOO[name]
+    model = build(name)
+    params, buffers = split_state(model)
+    batch = entry.batch(torch.Generator().manual_seed(1), 4)
+    loss = client_loss(entry, model)
+    converted = bridge_mr.from_torch(loss, mutable=1 if entry.batch_norm else ())
+    step = jax.jit(jax.value_and_grad(converted, has_aux=entry.batch_norm))
+    args = jax.tree.map(lambda t: jnp.asarray(t.numpy()), (params, buffers, batch))
+    first, _ = harness.time_once(lambda: step(*args))
+
+    def torch_step() -> Callable[[], Any]:
+        # Fresh leaves and buffers, untimed: backward and BatchNorm write into them.
+        trainable = {k: v.clone().requires_grad_() for k, v in params.items()}
+        fresh = {k: v.clone() for k, v in buffers.items()}
+        return lambda: loss(trainable, fresh, batch).backward()
+
+    later = harness.rounds({"step": lambda: lambda: step(*args), "torch": torch_step}, rounds)
+    return {
+        "name": name,
+        "first_call_s": first,
+        "step_ms": 1e3 * statistics.median(later.seconds["step"]),
+        "torch_eager_ms": 1e3 * statistics.median(later.seconds["torch"]),
+        "load_1min": max(later.load_1min),
+    }
 
 
 if __name__ == "__main__":

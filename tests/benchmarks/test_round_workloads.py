@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
 import pytest
-from helpers import assert_trees_all_close
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:jax.interpreters.pxla.thread_resources is deprecated:DeprecationWarning"
@@ -36,22 +36,9 @@ def test_the_lm_reads_the_standard_library(workloads: ModuleType) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["cnn", "lm"])
-def test_alternatives_compute_the_same_round(workloads: ModuleType, model: str) -> None:
+def test_alternatives_compute_the_same_round(
+    workloads: ModuleType, assert_same_round: Callable[..., None], model: str
+) -> None:
     cfg = workloads.round_config(model, 3, batch=2, local_steps=2, lr=0.5, seq=16)
     torch_model = workloads.round_torch_model(cfg)
-    names = [name for name, _ in torch_model.named_parameters()]
-    initial = [p.detach().numpy().copy() for p in torch_model.parameters()]
-    rounds = {}
-    for alternative in workloads.round_alternatives():
-        fn = workloads.build(alternative, cfg)
-        assert callable(fn), fn
-        result = fn()  # JAX ones: a dict of arrays; the torch ones: the parameters in order.
-        params = [result[n] for n in names] if isinstance(result, dict) else result
-        rounds[alternative] = list(params)
-    reference = rounds.pop("torch_loop")
-    moved = max(
-        float(np.abs(r.detach().numpy() - i).max()) for r, i in zip(reference, initial, strict=True)
-    )
-    assert moved > 1e-2  # The round changed the parameters, so agreement means something.
-    for params in rounds.values():
-        assert_trees_all_close(params, reference, rtol=1e-4, atol=2e-5)
+    assert_same_round(cfg, torch_model, workloads.round_alternatives(), moved=1e-2, atol=2e-5)

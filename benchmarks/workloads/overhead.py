@@ -1,0 +1,214 @@
+"""Per-call overhead contestants (the "overhead" case): the bridge against pure JAX and torch.
+
+The model is a one-hidden-layer tanh MLP with one output and a squared-error loss, small enough
+that the bridge's own cost per call shows; torch's floor for one autograd node (it computes
+nothing) bounds any bridge from below together with pure JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+
+def overhead_mlp(params: Mapping[str, Any], x: Any) -> Any:
+    """The overhead case's MLP in JAX: tanh hidden layer, one output."""
+    import jax.numpy as jnp
+
+    hidden = jnp.tanh(x @ params["w1"] + params["b1"])
+    return hidden @ params["w2"] + params["b2"]
+
+
+def overhead_loss(params: Mapping[str, Any], batch: Mapping[str, Any]) -> Any:
+    """Mean squared error of `overhead_mlp` on one client's {"x", "y"}."""
+    import jax.numpy as jnp
+
+    return jnp.mean((overhead_mlp(params, batch["x"]) - batch["y"]) ** 2)
+
+
+def _overhead_torch_mlp(params: Mapping[str, Any], x: Any) -> Any:
+    import torch
+
+    return torch.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+
+
+def overhead_data(
+    clients: int, width: int, batch: int, seed: int = 0
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """float32 MLP parameters and client data {"x": [clients, batch, width], "y": [..., 1]}."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "w1": rng.normal(size=(width, width)) / np.sqrt(width),
+        "b1": np.zeros(width),
+        "w2": rng.normal(size=(width, 1)) / np.sqrt(width),
+        "b2": np.zeros(1),
+    }
+    data = {
+        "x": rng.normal(size=(clients, batch, width)),
+        "y": rng.normal(size=(clients, batch, 1)),
+    }
+    as32 = lambda tree: {k: v.astype(np.float32) for k, v in tree.items()}
+    return as32(params), as32(data)
+
+
+def _floor_node() -> Any:
+    """An autograd node that computes nothing: forward and backward only allocate results."""
+    import torch
+
+    class FloorNode(torch.autograd.Function):
+        @staticmethod
+        def forward(shapes: Any, *tensors: torch.Tensor) -> torch.Tensor:
+            del tensors  # Unused.
+            return torch.empty(shapes[0])
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+            del output  # Unused.
+            ctx.shapes = inputs[0]
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+            del grad  # Unused.
+            return (None, *(None if s is None else torch.empty(s) for s in ctx.shapes[1:]))
+
+    return FloorNode
+
+
+def autograd_floor(
+    params: Mapping[str, Any], others: list[Any], out_shape: tuple[int, ...], cotangent: Any
+) -> Callable[[], None]:
+    """torch's own cost of one bridge node over `params` (needing grads) and `others`.
+
+    One custom autograd node with those tensor inputs and an output of `out_shape`, whose
+    forward and backward only allocate their results: floor + pure JAX bounds any bridge
+    from below.
+    """
+    import torch
+
+    node = _floor_node()
+    shapes = (out_shape, *(tuple(p.shape) for p in params.values()), *(None for _ in others))
+    tensors = [*params.values(), *others]
+
+    def floor() -> None:
+        for p in params.values():
+            p.grad = None
+        torch.autograd.backward(node.apply(shapes, *tensors), cotangent)
+
+    return floor
+
+
+def map_reduce_contestants(clients: int, width: int, batch: int) -> dict[str, Callable[[], Any]]:
+    """FedSGD forward+backward (mean client loss, gradients) four ways, no optimizer step.
+
+    The contestants return None: each waits for its own results, and the per-call cost of
+    syncing returned trees would add to what these rows measure.
+
+    "bridge map_reduce": `bridge_mr.map_reduce` from torch, gradients left in `.grad`;
+    "pure JAX": `jax.jit(jax.value_and_grad(...))` of the same `bridge_mr.jax_core` program;
+    "torch autograd floor": `autograd_floor` with the bridge's inputs and output;
+    "pure torch loop": the same MLP in torch, a Python loop over the clients.
+    """
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import bridge_mr
+    from bridge_mr import jax_core
+
+    params_np, data_np = overhead_data(clients, width, batch)
+    t_params = {k: torch.tensor(v, requires_grad=True) for k, v in params_np.items()}
+    t_data = {k: torch.tensor(v) for k, v in data_np.items()}
+    j_params = {k: jnp.asarray(v) for k, v in params_np.items()}
+    j_data = {k: jnp.asarray(v) for k, v in data_np.items()}
+
+    def bridge() -> None:
+        for p in t_params.values():
+            p.grad = None
+        bridge_mr.map_reduce(overhead_loss, t_params, t_data).backward()
+
+    def program(params: Mapping[str, Any], data: Mapping[str, Any]) -> Any:
+        with jax_core.program(placements={"clients": clients}):
+            placed = jax_core.broadcast(params)
+            return jax_core.reduce_mean(jax_core.map_fn(overhead_loss, (placed, data)))
+
+    value_and_grad = jax.jit(jax.value_and_grad(program))
+
+    def pure_jax() -> None:
+        jax.block_until_ready(value_and_grad(j_params, j_data))
+
+    xs, ys = t_data["x"].unbind(0), t_data["y"].unbind(0)
+
+    def client_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((_overhead_torch_mlp(t_params, x) - y) ** 2).mean()
+
+    def pure_torch() -> None:
+        for p in t_params.values():
+            p.grad = None
+        total = client_loss(xs[0], ys[0])
+        for x, y in zip(xs[1:], ys[1:], strict=True):
+            total = total + client_loss(x, y)
+        (total / clients).backward()
+
+    return {
+        "bridge map_reduce": bridge,
+        "pure JAX": pure_jax,
+        "torch autograd floor": autograd_floor(t_params, list(t_data.values()), (), None),
+        "pure torch loop": pure_torch,
+    }
+
+
+def torch_function_contestants(width: int, batch: int) -> dict[str, Callable[[], Any]]:
+    """The MLP's forward+backward with a [batch, 1] output (residuals saved), four ways.
+
+    The contestants return None, as `map_reduce_contestants`' do.
+
+    "bridge torch_function": `bridge_mr.torch_function(overhead_mlp)`, VJP in backward;
+    "pure JAX pair": the jitted forward-with-VJP, then the jitted VJP;
+    "torch autograd floor": `autograd_floor` with the bridge's inputs and output;
+    "pure torch": the same MLP in torch.
+    """
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import bridge_mr
+
+    params_np, data_np = overhead_data(1, width, batch)
+    t_params = {k: torch.tensor(v, requires_grad=True) for k, v in params_np.items()}
+    t_x = torch.tensor(data_np["x"][0])
+    j_params = {k: jnp.asarray(v) for k, v in params_np.items()}
+    j_x = jnp.asarray(data_np["x"][0])
+    f = bridge_mr.torch_function(overhead_mlp)
+    t_ct = torch.ones(batch, 1)
+    j_ct = jnp.ones((batch, 1), jnp.float32)
+
+    def bridge() -> None:
+        for p in t_params.values():
+            p.grad = None
+        torch.autograd.backward(f(t_params, t_x), t_ct)
+
+    @jax.jit
+    def forward(params: Mapping[str, Any], x: Any) -> tuple[Any, Any]:
+        return jax.vjp(lambda p: overhead_mlp(p, x), params)
+
+    @jax.jit
+    def backward(vjp: Any, ct: Any) -> Any:
+        return vjp(ct)
+
+    def pure_jax() -> None:
+        _, vjp = forward(j_params, j_x)
+        jax.block_until_ready(backward(vjp, j_ct))
+
+    def pure_torch() -> None:
+        for p in t_params.values():
+            p.grad = None
+        _overhead_torch_mlp(t_params, t_x).backward(t_ct)
+
+    return {
+        "bridge torch_function": bridge,
+        "pure JAX pair": pure_jax,
+        "torch autograd floor": autograd_floor(t_params, [t_x], (batch, 1), t_ct),
+        "pure torch": pure_torch,
+    }
