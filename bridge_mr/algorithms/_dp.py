@@ -88,15 +88,18 @@ def dp_outer_step(
         `mask` shape, and what `outer_step` raises.
       TypeError: `generator` is not a torch.Generator.
 
-    Example::
-
-        noise = torch.Generator().manual_seed(1234)
-        cohort = sampler.sample()
-        metrics = alg.dp_outer_step(local, params, cohort.gather(data), clip_norm=0.1,
-                                    noise_multiplier=1.0, generator=noise,
-                                    expected_clients=sampler.expected_cohort_size,
-                                    mask=cohort.weights())
-        server_opt.step()
+    Example:
+      >>> sampler = alg.ClientSampler(8, probability=0.5, generator=0)
+      >>> server_opt = torch.optim.SGD(params.values(), lr=1.0)
+      >>> noise = torch.Generator().manual_seed(1234)
+      >>> cohort = sampler.sample()
+      >>> metrics = alg.dp_outer_step(local, params, cohort.gather(batches), clip_norm=0.1,
+      ...                             noise_multiplier=1.0, generator=noise,
+      ...                             expected_clients=sampler.expected_cohort_size,
+      ...                             mask=cohort.weights())
+      >>> metrics["clients"], metrics["clipped_fraction"]  # 5 sampled, each delta clipped
+      (tensor(5.), tensor(1.))
+      >>> server_opt.step()
     """
     _positive("clip_norm", clip_norm, "e.g. clip_norm=0.1 (the L2 norm of a client's delta)")
     _positive("expected_clients", expected_clients, "e.g. sampler.expected_cohort_size")
@@ -182,11 +185,13 @@ class PrivacyAccountant:
       ValueError: an argument out of range.
       ImportError: dp-accounting is not installed (`pip install bridge_mr[algorithms]`).
 
-    Example::
-
-        accountant = alg.PrivacyAccountant(noise_multiplier=1.0, sampling_probability=0.01)
-        accountant.step()  # after each round
-        print(accountant.epsilon(delta=1e-5))
+    Example:
+      >>> accountant = alg.PrivacyAccountant(noise_multiplier=1.0, sampling_probability=0.01)
+      >>> accountant.epsilon(delta=1e-5)  # before any round
+      0.0
+      >>> accountant.step()  # after each round
+      >>> print(f"{accountant.epsilon(delta=1e-5):.2f}")
+      0.96
     """
 
     def __init__(
@@ -222,8 +227,18 @@ class PrivacyAccountant:
     def step(self, rounds: int = 1) -> None:
         """Records `rounds` more rounds (>= 0).
 
+        Args:
+          rounds: how many rounds ran since the last call.
+
         Raises:
           ValueError: `rounds` is not an int >= 0.
+
+        Example:
+          >>> accountant = alg.PrivacyAccountant(noise_multiplier=1.0, sampling_probability=0.01)
+          >>> accountant.step(rounds=100)
+          >>> accountant.step()
+          >>> accountant.rounds
+          101
         """
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ValueError(
@@ -242,6 +257,12 @@ class PrivacyAccountant:
 
         Raises:
           ValueError: `delta` outside (0, 1).
+
+        Example:
+          >>> accountant = alg.PrivacyAccountant(noise_multiplier=1.0, sampling_probability=0.01)
+          >>> accountant.step(rounds=100)
+          >>> print(f"{accountant.epsilon(delta=1e-5):.2f}, {accountant.epsilon(delta=1e-6):.2f}")
+          1.21, 1.51
         """
         if isinstance(delta, bool) or not (isinstance(delta, int | float) and 0 < delta < 1):
             raise ValueError(

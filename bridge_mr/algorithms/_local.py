@@ -17,13 +17,14 @@ OptimizerFactory: TypeAlias = Callable[[PyTree], optax.GradientTransformation]
 
 @dataclasses.dataclass(frozen=True)
 class LocalTraining:
-    """A client function for `bridge_mr.map_reduce`: `steps` optimizer steps from the server's
-    parameters, one per batch of the client's `[steps, ...]` batch stack.
+    """A client function for `bridge_mr.map_reduce`: `steps` optimizer steps of one client.
 
-    Made by `local_training`; read its docstring. Calling it, `local(server, batches)`, runs the
-    steps (a `lax.scan`) and returns `{"delta": trained - server parameters, "loss": the mean
-    loss over the steps, "first_loss": the loss of the first step}`. `server` is the parameter
-    pytree, or `(params, hparams)` when the optimizer is a factory of `hparams`.
+    The steps start from the server's parameters, one per batch of the client's `[steps, ...]`
+    batch stack. Made by `local_training`; read its docstring. Calling it,
+    `local(server, batches)`, runs the steps (a `lax.scan`) and returns `{"delta": trained -
+    server parameters, "loss": the mean loss over the steps, "first_loss": the loss of the
+    first step}`. `server` is the parameter pytree, or `(params, hparams)` when the optimizer
+    is a factory of `hparams`.
 
     Attributes:
       loss: the JAX loss `(params, batch) -> scalar`.
@@ -31,6 +32,13 @@ class LocalTraining:
         returning one.
       steps: the number of local steps (the leading dimension of each client's batch stack).
       prox_mu: FedProx's coefficient `mu` of `mu / 2 * ||w - w_round||^2`; 0.0 for none.
+
+    Example:
+      >>> local = alg.local_training(jax_loss, optax.sgd(0.1), steps=2)
+      >>> server = {"w": jnp.zeros(3), "b": jnp.zeros(())}  # one client's call, in JAX
+      >>> out = local(server, {"x": jnp.ones((2, 4, 3)), "y": jnp.ones((2, 4))})
+      >>> sorted(out), out["first_loss"]
+      (['delta', 'first_loss', 'loss'], Array(1., dtype=float32))
     """
 
     loss: Loss
@@ -117,10 +125,14 @@ def local_training(
       TypeError: `loss` or `optimizer` is not callable / an optax transformation.
       ValueError: `steps` is not an int >= 1, or `prox_mu` is negative or not a number.
 
-    Example::
-
-        loss = bridge_mr.from_torch(torch_loss)
-        local = alg.local_training(loss, optax.adamw(1e-3), steps=20)  # DiLoCo's inner loop
+    Example:
+      >>> loss = bridge_mr.from_torch(client_loss)  # client_loss: torch code
+      >>> local = alg.local_training(loss, optax.adamw(1e-3), steps=20)  # DiLoCo's inner loop
+      >>> local.steps, local.takes_hparams
+      (20, False)
+      >>> fedprox = alg.local_training(loss, lambda lr: optax.sgd(lr), steps=5, prox_mu=0.01)
+      >>> fedprox.prox_mu, fedprox.takes_hparams  # hparams=lr in each round's call
+      (0.01, True)
     """
     if not callable(loss):
         raise TypeError(

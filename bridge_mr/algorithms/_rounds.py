@@ -55,9 +55,18 @@ def mean_delta(
       ValueError: a batch leaf's second dimension is not `local.steps`; `hparams` given to
         (or missing for) `local`; and what `bridge_mr.map_reduce` raises.
 
-    Example::
+    Example:
+      With `strategy="vmap"` (no one-time measurement of the strategies, as "auto" makes):
 
-        delta, metrics = alg.mean_delta(local, dict(model.named_parameters()), batches)
+      >>> delta, metrics = alg.mean_delta(local, params, batches, strategy="vmap")
+      >>> delta["w"].shape, metrics["first_loss"]
+      (torch.Size([3]), tensor(1., grad_fn=<...>))
+      >>> tuned = alg.local_training(jax_loss, lambda lr: optax.sgd(lr), steps=2)
+      >>> lr = torch.tensor(0.1, requires_grad=True)
+      >>> delta, _ = alg.mean_delta(tuned, params, batches, hparams=lr, strategy="vmap")
+      >>> delta["b"].backward()  # a hypergradient, through the whole round
+      >>> bool(lr.grad > 0)  # a larger client learning rate moves b further towards 1
+      True
     """
     server = round_server(local, params, client_batches, hparams, "mean_delta")
     result = map_reduce(
@@ -103,12 +112,15 @@ def outer_step(
     Raises:
       As `mean_delta`.
 
-    Example::
-
-        server_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        metrics = alg.outer_step(local, dict(model.named_parameters()), batches)
-        server_opt.step()
-        server_opt.zero_grad()
+    Example:
+      >>> server_opt = torch.optim.SGD(params.values(), lr=0.7, momentum=0.9, nesterov=True)
+      >>> metrics = alg.outer_step(local, params, batches)  # e.g. model.named_parameters()
+      >>> metrics["first_loss"]  # the server model's loss
+      tensor(1.)
+      >>> bool(params["b"].grad < 0)  # minus the mean delta: the clients raised b
+      True
+      >>> server_opt.step()
+      >>> server_opt.zero_grad()
     """
     with torch.no_grad():
         delta, metrics = mean_delta(

@@ -22,6 +22,13 @@ class Cohort:
     Attributes:
       indices: the sampled clients, ascending (an int64 tensor of shape [size]).
       padded_size: the number of rows `gather` returns (>= size, >= 1).
+
+    Example:
+      >>> cohort = alg.Cohort(indices=torch.tensor([2, 5, 6]), padded_size=4)
+      >>> cohort.size
+      3
+      >>> cohort.weights()  # the padding row weighs 0
+      tensor([1., 1., 1., 0.])
     """
 
     indices: torch.Tensor
@@ -43,9 +50,12 @@ class Cohort:
         Returns:
           `data` with each leaf's leading dimension `padded_size`.
 
-        Example::
-
-            batches = cohort.gather(all_batches)  # [padded_size, steps, ...]
+        Example:
+          >>> cohort = alg.Cohort(torch.tensor([2, 5, 6]), padded_size=4)
+          >>> cohort.gather(torch.arange(8) * 10)  # the padding row repeats client 0's
+          tensor([20, 50, 60,  0])
+          >>> cohort.gather(batches)["x"].shape  # [padded_size, steps, ...]
+          torch.Size([4, 2, 4, 3])
         """
         pad = torch.zeros(self.padded_size - self.size, dtype=torch.int64)
         rows = torch.cat([self.indices, pad])
@@ -60,9 +70,11 @@ class Cohort:
         Returns:
           A float32 tensor of shape [padded_size].
 
-        Example::
-
-            alg.outer_step(local, params, cohort.gather(data), weights=cohort.weights(counts))
+        Example:
+          >>> cohort = alg.Cohort(torch.tensor([2, 5, 6]), padded_size=4)
+          >>> counts = torch.tensor([10, 20, 30, 40, 50, 60, 70, 80])  # examples per client
+          >>> cohort.weights(counts)  # for outer_step(..., weights=cohort.weights(counts))
+          tensor([30., 60., 70.,  0.])
         """
         real = torch.ones(self.size) if example_counts is None else example_counts[self.indices]
         pad = torch.zeros(self.padded_size - self.size)
@@ -87,11 +99,14 @@ class ClientSampler:
         of `cohort_size` and `probability` given.
       TypeError: `generator` is neither a torch.Generator nor an int.
 
-    Example::
-
-        sampler = alg.ClientSampler(1000, probability=0.01, generator=0)  # or a torch.Generator
-        cohort = sampler.sample()
-        alg.outer_step(local, params, cohort.gather(data), weights=cohort.weights())
+    Example:
+      >>> sampler = alg.ClientSampler(8, probability=0.5, generator=0)  # or a torch.Generator
+      >>> sampler.expected_cohort_size
+      4.0
+      >>> cohort = sampler.sample()
+      >>> cohort
+      Cohort(indices=tensor([0, 2, 3, 4, 6]), padded_size=8)
+      >>> metrics = alg.outer_step(local, params, cohort.gather(batches), weights=cohort.weights())
     """
 
     def __init__(
@@ -162,9 +177,12 @@ class ClientSampler:
           The `Cohort`: uniform cohorts are never padded; Poisson cohorts are padded to the
           next power of two of their size (1 for an empty cohort).
 
-        Example::
-
-            cohort = sampler.sample()
+        Example:
+          >>> sampler = alg.ClientSampler(8, cohort_size=3, generator=0)
+          >>> sampler.sample()  # uniform: never padded
+          Cohort(indices=tensor([0, 4, 7]), padded_size=3)
+          >>> sampler.sample().size  # the generator advanced: another cohort, of the same size
+          3
         """
         if self.cohort_size is not None:
             chosen = torch.randperm(self.num_clients, generator=self.generator)[: self.cohort_size]

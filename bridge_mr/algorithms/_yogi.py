@@ -31,11 +31,12 @@ class Yogi(torch.optim.Optimizer):
     Raises:
       ValueError: an argument outside its range.
 
-    Example::
-
-        server_opt = alg.Yogi(model.parameters(), lr=0.01)
-        alg.outer_step(local, dict(model.named_parameters()), batches)
-        server_opt.step()
+    Example:
+      >>> server_opt = alg.Yogi(params.values(), lr=0.01)  # e.g. model.parameters()
+      >>> metrics = alg.outer_step(local, params, batches)
+      >>> server_opt.step()
+      >>> bool(params["b"] > 0)  # the server moved towards the clients' targets (1)
+      True
     """
 
     def __init__(
@@ -74,6 +75,14 @@ class Yogi(torch.optim.Optimizer):
 
         Returns:
           The closure's loss, or None.
+
+        Example:
+          >>> w = torch.zeros(2, requires_grad=True)
+          >>> optimizer = alg.Yogi([w], lr=0.1)
+          >>> w.grad = torch.tensor([1.0, -1.0])
+          >>> optimizer.step()
+          >>> w
+          tensor([-0.0990,  0.0990], requires_grad=True)
         """
         loss = None
         if closure is not None:

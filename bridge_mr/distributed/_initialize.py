@@ -28,6 +28,13 @@ class Process:
       coordinator_address: host:port of JAX's coordination service (run by rank 0).
       check_replicas: whether `map_reduce` checks, on every call, that the server tensors are
         equal on every rank (a debug check: one hash of each server tensor per call).
+
+    Example:
+      >>> bridge_mr.distributed.Process(
+      ...     rank=0, world_size=2, local_rank=0, coordinator_address="10.0.0.1:29501"
+      ... )
+      Process(rank=0, world_size=2, local_rank=0, coordinator_address='10.0.0.1:29501',
+              check_replicas=False)
     """
 
     rank: int
@@ -88,11 +95,17 @@ def initialize(
       ValueError: a variable or argument is out of range or not an integer, or the coordinator
         port is not a valid port.
 
-    Example::
+    Example:
+      Under `torchrun --nproc-per-node=2 train.py`, `process = bridge_mr.distributed.initialize()`
+      at the top of train.py connects the two processes (`process.rank` is 0 or 1,
+      `process.world_size` 2). Started without torchrun, it says what is missing:
 
-        # torchrun --nproc-per-node=2 train.py
-        process = bridge_mr.distributed.initialize()
-        print(process.rank, process.world_size)
+      >>> bridge_mr.distributed.initialize(environ={})
+      Traceback (most recent call last):
+      ...
+      RuntimeError: bridge_mr.distributed.initialize: the torchrun variable(s) MASTER_ADDR,
+      MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK are not set, ... Fix: start the program with
+      torchrun ...
     """
     env = os.environ if environ is None else environ
     needed = {
@@ -165,10 +178,14 @@ def initialize(
 def current() -> Process | None:
     """The process `initialize` connected, or None where it has not run (one process).
 
-    Example::
+    Returns:
+      The `Process` `initialize` returned, or None.
 
-        process = bridge_mr.distributed.current()
-        rank = 0 if process is None else process.rank
+    Example:
+      >>> process = bridge_mr.distributed.current()
+      >>> print(process)  # one process: initialize has not run
+      None
+      >>> rank = 0 if process is None else process.rank
     """
     return _STARTED[0] if _STARTED else None
 

@@ -49,6 +49,13 @@ def multi_process() -> bool:
 
     (A plain read: `torch.compile` may trace it, where it would warn about
     `jax.process_count`'s cache.)
+
+    Returns:
+      True where `initialize` connected two processes or more.
+
+    Example:
+      >>> bridge_mr.distributed.multi_process()  # one process: initialize has not run
+      False
     """
     process = current()
     return process is not None and process.world_size > 1
@@ -65,6 +72,11 @@ class Layout:
       placement: the name of the clients axis (of the global mesh).
       per_rank: the names of the call's arguments whose tensors are this rank's own (their
         leading axis is the clients axis); the other tensors are the same on every rank.
+
+    Example:
+      >>> layout = bridge_mr.distributed.Layout(counts=(3, 5), slot=5, rank=0)
+      >>> layout.world_size, layout.total, layout.padded
+      (2, 8, True)
     """
 
     counts: tuple[int, ...]
@@ -89,11 +101,32 @@ class Layout:
         return any(c != self.slot for c in self.counts)
 
     def mask(self) -> np.ndarray:
-        """[world_size * slot] bools: True at real clients, False at padding."""
+        """[world_size * slot] bools: True at real clients, False at padding.
+
+        Returns:
+          A numpy bool array of shape [world_size * slot].
+
+        Example:
+          >>> layout = bridge_mr.distributed.Layout(counts=(3, 5), slot=5, rank=0)
+          >>> layout.mask()  # rank 0's 3 clients and 2 padding rows, then rank 1's 5 clients
+          array([ True,  True,  True, False, False,  True,  True,  True,  True,  True])
+        """
         return np.concatenate([np.arange(self.slot) < c for c in self.counts])
 
     def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
-        """The global shape of a per-rank array whose local shape is `local_shape`."""
+        """The global shape of a per-rank array whose local shape is `local_shape`.
+
+        Args:
+          local_shape: the shape of this rank's part, clients axis first.
+
+        Returns:
+          The shape with the clients axis `world_size * slot` long.
+
+        Example:
+          >>> layout = bridge_mr.distributed.Layout(counts=(3, 5), slot=5, rank=0)
+          >>> layout.global_shape((3, 4))
+          (10, 4)
+        """
         return (self.world_size * self.slot, *local_shape[1:])
 
     @property
@@ -124,7 +157,18 @@ def _devices() -> list[Any]:
 
 
 def slot_for(counts: Sequence[int]) -> int:
-    """The rows per rank for these counts: the largest, up to a multiple of its devices."""
+    """The rows per rank for these counts: the largest, up to a multiple of its devices.
+
+    Args:
+      counts: every rank's client count.
+
+    Returns:
+      `Layout.slot` for these counts.
+
+    Example:
+      >>> bridge_mr.distributed.slot_for([3, 5])  # on CPU: one device per process
+      5
+    """
     local = len(_devices()) // jax.process_count()
     return math.ceil(max(counts) / local) * local
 
@@ -151,9 +195,16 @@ def agree(
       replica_names: what errors call those tensors.
       where: the caller, for error messages ("map_reduce").
 
+    Returns:
+      Every rank's client count, by rank.
+
     Raises:
       RuntimeError: the ranks run different calls, hold different replicas (with the check
         on), or some rank has no clients.
+
+    Example:
+      >>> bridge_mr.distributed.agree(3, "map_reduce(loss, ...)", None, (), where="map_reduce")
+      (3,)
     """
     digest = hashlib.blake2b(signature.encode(), digest_size=8).digest()
     combined = hashlib.blake2b(b"".join(replica_hashes or ()), digest_size=8).digest()
@@ -202,7 +253,18 @@ def _name_differing_replicas(hashes: Sequence[bytes], names: Sequence[str], wher
 
 
 def agree_seconds(seconds: float) -> float:
-    """The longest of every rank's `seconds` (a timing all ranks then decide on alike)."""
+    """The longest of every rank's `seconds` (a timing all ranks then decide on alike).
+
+    Args:
+      seconds: this rank's timing.
+
+    Returns:
+      The largest of every rank's `seconds` (as a float32 exchanged them).
+
+    Example:
+      >>> bridge_mr.distributed.agree_seconds(1.5)  # one process: its own
+      1.5
+    """
     table = multihost_utils.process_allgather(np.array([seconds], np.float32))
     return float(np.max(np.asarray(table)))
 
@@ -211,6 +273,16 @@ def agree_minimum(value: int) -> int:
     """The smallest of every rank's non-negative `value` (below 2**62; a byte count).
 
     Exchanged as two int32 words: with JAX's x64 mode off a gathered int64 would be narrowed.
+
+    Args:
+      value: this rank's value, 0 <= value < 2**62.
+
+    Returns:
+      The smallest of every rank's `value`.
+
+    Example:
+      >>> bridge_mr.distributed.agree_minimum(3 * 2**40)  # one process: its own, past int32
+      3298534883328
     """
     words = np.array([value >> 31, value & 0x7FFFFFFF], np.int32)
     table = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, 2).astype(np.int64)
@@ -226,6 +298,21 @@ def global_array(local: jax.Array | np.ndarray, layout: Layout, *, per_rank: boo
 
     Per-rank arrays are sharded over every process's devices along the clients axis; the
     others are replicated (every rank's copy must be equal).
+
+    Args:
+      local: this rank's part: its clients' rows (per-rank), or its copy.
+      layout: the agreed `Layout`.
+      per_rank: whether `local` holds this rank's own clients (else a replica).
+
+    Returns:
+      The global array, on `layout.mesh`.
+
+    Example:
+      >>> layout = bridge_mr.distributed.Layout(counts=(3,), slot=3, rank=0)  # one process
+      >>> rows = bridge_mr.distributed.global_array(np.ones((3, 2), np.float32), layout,
+      ...                                           per_rank=True)
+      >>> rows.shape, tuple(rows.sharding.spec)  # sharded along the clients axis
+      ((3, 2), ('clients',))
     """
     mesh = layout.mesh
     if per_rank:
@@ -238,13 +325,45 @@ def global_array(local: jax.Array | np.ndarray, layout: Layout, *, per_rank: boo
 
 
 def constrain(array: jax.Array, layout: Layout, *, per_rank: bool) -> jax.Array:
-    """Inside a program: `array` sharded along the clients axis (per-rank) or replicated."""
+    """Inside a program: `array` sharded along the clients axis (per-rank) or replicated.
+
+    Args:
+      array: a traced global array.
+      layout: the agreed `Layout`.
+      per_rank: whether `array` has the clients axis first (else it is replicated).
+
+    Returns:
+      `array`, with the sharding constraint.
+
+    Example:
+      >>> layout = bridge_mr.distributed.Layout(counts=(3,), slot=3, rank=0)  # one process
+      >>> double = jax.jit(lambda a: bridge_mr.distributed.constrain(2 * a, layout, per_rank=True))
+      >>> double(jnp.arange(3.0))  # the rows are laid out along the clients axis in the program
+      Array([0., 2., 4.], dtype=float32)
+    """
     spec = P(layout.placement) if per_rank else P()
     return jax.lax.with_sharding_constraint(array, NamedSharding(layout.mesh, spec))
 
 
 def local_part(array: jax.Array, *, per_rank: bool) -> jax.Array:
-    """This process's part of a global array: its rows (per-rank) or one replica."""
+    """This process's part of a global array: its rows (per-rank) or one replica.
+
+    Args:
+      array: a global array, e.g. a program's result.
+      per_rank: whether `array` is sharded along the clients axis (else it is replicated).
+
+    Returns:
+      This process's rows (per-rank), or its copy, on one of its devices.
+
+    Example:
+      >>> layout = bridge_mr.distributed.Layout(counts=(3,), slot=3, rank=0)  # one process
+      >>> rows = bridge_mr.distributed.global_array(np.ones((3, 2), np.float32), layout,
+      ...                                           per_rank=True)
+      >>> bridge_mr.distributed.local_part(rows, per_rank=True)
+      Array([[1., 1.],
+             [1., 1.],
+             [1., 1.]], dtype=float32)
+    """
     if not per_rank:
         return array.addressable_data(0)
     shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)

@@ -247,18 +247,23 @@ def from_torch(
         or writes in place to an argument that is not mutable; the message names the op and
         the source line.
 
-    Example::
+    Example:
+      >>> model = torch.nn.Linear(3, 2)
+      >>> def classifier_loss(params, batch):  # torch code
+      ...     logits = torch.func.functional_call(model, params, (batch["x"],))
+      ...     return torch.nn.functional.cross_entropy(logits, batch["y"])
+      >>> labelled = {"x": batch["x"], "y": torch.arange(32).reshape(8, 4) % 2}  # 8 clients
+      >>> loss = bridge_mr.map_reduce(
+      ...     bridge_mr.from_torch(classifier_loss), dict(model.named_parameters()), labelled
+      ... )
+      >>> loss.backward()
+      >>> model.weight.grad.shape
+      torch.Size([2, 3])
 
-        model = torch.nn.Linear(64, 10)
+      The converted function is a JAX function of JAX arrays:
 
-        def client_loss(params, batch):  # torch code
-            logits = torch.func.functional_call(model, params, (batch["x"],))
-            return torch.nn.functional.cross_entropy(logits, batch["y"])
-
-        loss = bridge_mr.map_reduce(
-            bridge_mr.from_torch(client_loss), dict(model.named_parameters()), batch
-        )
-        loss.backward()
+      >>> bridge_mr.from_torch(torch.sin)(jnp.zeros(2))
+      Array([0., 0.], dtype=float32)
     """
     if not callable(torch_fn):
         raise TypeError(
@@ -313,13 +318,21 @@ def client_keys(seed: int, step: int, num_clients: int) -> torch.Tensor:
       TypeError: an argument is not an int.
       ValueError: an argument is out of range.
 
-    Example::
-
-        keys = bridge_mr.client_keys(seed=0, step=step, num_clients=16)
-        loss = bridge_mr.map_reduce(
-            lambda params, batch: dropout_loss(batch["key"], params, batch),
-            params, {**batch, "key": keys},
-        )
+    Example:
+      >>> keys = bridge_mr.client_keys(seed=0, step=3, num_clients=8)
+      >>> keys.shape, keys.dtype
+      (torch.Size([8, 2]), torch.uint32)
+      >>> def dropout_loss(params, batch):  # torch code that draws random numbers
+      ...     x = torch.nn.functional.dropout(batch["x"], p=0.5)
+      ...     return torch.mean((x @ params["w"] + params["b"] - batch["y"]) ** 2)
+      >>> dropout = bridge_mr.from_torch(dropout_loss, rng=True)  # takes a key first
+      >>> loss = bridge_mr.map_reduce(  # row c of keys reaches client c
+      ...     lambda params, batch: dropout(batch["key"], params, batch),
+      ...     params, {**batch, "key": keys},
+      ...     strategy="vmap",  # no one-time measurement of the strategies, as "auto" makes
+      ... )
+      >>> loss  # zero params: the dropout does not change the loss
+      tensor(1., grad_fn=<...>)
     """
     for name, value, low in (("seed", seed, 0), ("step", step, 0), ("num_clients", num_clients, 1)):
         if not isinstance(value, int) or isinstance(value, bool):

@@ -51,6 +51,16 @@ class UnsupportedTorchOperation(NotImplementedError):
     in-place write to an argument not marked mutable. The message names the op and the user's
     source line, and says what to do instead. Not a TypeError: torch turns a TypeError raised
     inside a tensor operator (`x * y`) into NotImplemented, which would hide the message.
+
+    Example:
+      >>> def double_(x):  # torch code that writes to its argument
+      ...     return x.mul_(2).sum()
+      >>> bridge_mr.from_torch(double_)(jnp.ones(2))
+      Traceback (most recent call last):
+      ...
+      bridge_mr...UnsupportedTorchOperation: from_torch(double_) wrote in place to its argument
+      [0]; a JAX function cannot hand the new value back unless asked to ... Fix: convert with
+      mutable=0 ...
     """
 
 
