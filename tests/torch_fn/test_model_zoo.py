@@ -230,3 +230,16 @@ def test_the_docs_support_table_is_the_zoo() -> None:
     section = DOCS.read_text().split("## Models users train", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([a-z0-9_]+)` \|", section, flags=re.MULTILINE)
     assert sorted(rows) == sorted(NAMES), "docs/from_torch.md's model table and the zoo differ"
+
+
+@pytest.mark.slow
+def test_the_transformers_recipe_runs() -> None:
+    text = DOCS.read_text().split("### A transformers recipe", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, str(DOCS), "exec"), namespace)
+    loss, params = namespace["loss"], namespace["params"]
+    assert torch.isfinite(loss), loss
+    grads = [p.grad for p in params.values()]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+    assert sum(float(g.norm()) for g in grads if g is not None) > 0
