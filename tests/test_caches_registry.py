@@ -31,8 +31,6 @@ CONTAINERS = (
 NOT_CACHES = {
     "bridge_mr._caches._CLEARS": "the registry itself",
     "bridge_mr._caches._OBJECTS": "the registry itself",
-    "bridge_mr._compat.torch_xla._TORCH_XLA": "torch_xla's names, imported once",
-    "bridge_mr._compat.torchax._TORCHAX": "torchax's names, imported once",
     "bridge_mr._dtypes.DTYPES": "a constant table",
     "bridge_mr._dtypes._BY_JAX": "a constant table",
     "bridge_mr.distributed._initialize._STARTED": "the process initialize() connected",

@@ -6,8 +6,10 @@ Checked on torch_xla 2.9.0 with torch 2.9.0. Importing this module never imports
 
 from __future__ import annotations
 
-import importlib
+import functools
 from typing import Any, NamedTuple
+
+from ._lazy import import_modules
 
 __all__ = ["INSTALL_HINT", "TorchXla", "import_torch_xla"]
 
@@ -32,9 +34,7 @@ class TorchXla(NamedTuple):
     spmd: Any
 
 
-_TORCH_XLA: list[TorchXla] = []  # the first successful import, once made
-
-
+@functools.cache
 def import_torch_xla() -> TorchXla:
     """Imports the torch_xla modules bridge_mr uses (once; later calls return the same tuple).
 
@@ -44,19 +44,14 @@ def import_torch_xla() -> TorchXla:
     Raises:
       ImportError: torch_xla is not importable; the message says how to install it.
     """
-    if _TORCH_XLA:
-        return _TORCH_XLA[0]
-    # By name: torch_xla is installed in the torch-xla environment only, so the type checker
-    # (run in the main one) cannot resolve it.
-    try:
-        workarounds = importlib.import_module("torch_xla._internal.jax_workarounds")
-        builder = importlib.import_module("torch_xla.core.xla_builder")
-        spmd = importlib.import_module("torch_xla.distributed.spmd")
-        runtime = importlib.import_module("torch_xla.runtime")
-    except ImportError as error:
-        raise ImportError(
-            f"bridge_mr's torch-xla backend needs torch_xla, which is not importable ({error}). "
-            f"Install it with `{INSTALL_HINT}` (torch_xla 2.9.0 requires torch 2.9.0 exactly)."
-        ) from error
-    _TORCH_XLA.append(TorchXla(builder, workarounds, runtime, spmd))
-    return _TORCH_XLA[0]
+    workarounds, builder, spmd, runtime = import_modules(
+        (
+            "torch_xla._internal.jax_workarounds",
+            "torch_xla.core.xla_builder",
+            "torch_xla.distributed.spmd",
+            "torch_xla.runtime",
+        ),
+        f"bridge_mr's torch-xla backend needs torch_xla, which is not importable ({{error}}). "
+        f"Install it with `{INSTALL_HINT}` (torch_xla 2.9.0 requires torch 2.9.0 exactly).",
+    )
+    return TorchXla(builder, workarounds, runtime, spmd)

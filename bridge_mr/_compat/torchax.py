@@ -18,9 +18,11 @@ through `value_of` and `rebind`, the way torchax's own in-place ops write it.
 
 from __future__ import annotations
 
-import importlib
+import functools
 import os
 from typing import Any, NamedTuple
+
+from ._lazy import import_modules
 
 __all__ = ["INSTALL_HINT", "PINNED", "Torchax", "import_torchax", "rebind", "value_of"]
 
@@ -52,9 +54,7 @@ class Torchax(NamedTuple):
     OperatorNotFound: type[Exception]
 
 
-_TORCHAX: list[Torchax] = []  # the first successful import, once made
-
-
+@functools.cache
 def import_torchax() -> Torchax:
     """Imports torchax (once; later calls return the same tuple) and checks its version.
 
@@ -65,18 +65,11 @@ def import_torchax() -> Torchax:
       ImportError: torchax is not importable, or is another version than `PINNED`; the message
         says how to install the pinned one.
     """
-    if _TORCHAX:
-        return _TORCHAX[0]
-    try:
-        # By name: torchax is an optional extra, which the type checker need not resolve.
-        torchax = importlib.import_module("torchax")
-        tensor = importlib.import_module("torchax.tensor")
-        view = importlib.import_module("torchax.view")
-    except ImportError as error:
-        raise ImportError(
-            f"bridge_mr.from_torch runs torch code through torchax, which is not importable "
-            f"({error}). Install it with `{INSTALL_HINT}`."
-        ) from error
+    torchax, tensor, view = import_modules(
+        ("torchax", "torchax.tensor", "torchax.view"),
+        f"bridge_mr.from_torch runs torch code through torchax, which is not importable "
+        f"({{error}}). Install it with `{INSTALL_HINT}`.",
+    )
     version = str(getattr(torchax, "__version__", "unknown"))
     device_module = getattr(torchax, "device_module", None)
     if device_module is not None:
@@ -87,17 +80,14 @@ def import_torchax() -> Torchax:
             f"installed (other releases lower some ops differently or fail on this torch). "
             f"Install the tested one with `{INSTALL_HINT}`."
         )
-    _TORCHAX.append(
-        Torchax(
-            version,
-            os.path.dirname(torchax.__file__ or ""),
-            tensor.Environment,
-            tensor.Tensor,
-            view.View,
-            tensor.OperatorNotFound,
-        )
+    return Torchax(
+        version,
+        os.path.dirname(torchax.__file__ or ""),
+        tensor.Environment,
+        tensor.Tensor,
+        view.View,
+        tensor.OperatorNotFound,
     )
-    return _TORCHAX[0]
 
 
 def _not_available() -> bool:

@@ -7,6 +7,7 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 from jax.sharding import AbstractMesh, Mesh
+from typing_extensions import TypedDict, Unpack
 
 from bridge_mr.torch_api import map_reduce
 
@@ -83,16 +84,18 @@ def mean_delta(
     return delta, result
 
 
+class RoundOptions(TypedDict, total=False):
+    """`mean_delta`'s keyword arguments, which `outer_step` passes on (see `mean_delta`)."""
+
+    hparams: PyTree | None
+    weights: torch.Tensor | None
+    strategy: Strategy
+    chunk_size: int | None
+    mesh: Mesh | AbstractMesh | None
+
+
 def outer_step(
-    local: LocalTraining,
-    params: Params,
-    client_batches: PyTree,
-    *,
-    hparams: PyTree | None = None,
-    weights: torch.Tensor | None = None,
-    strategy: Strategy = "auto",
-    chunk_size: int | None = None,
-    mesh: Mesh | AbstractMesh | None = None,
+    local: LocalTraining, params: Params, client_batches: PyTree, **options: Unpack[RoundOptions]
 ) -> dict[str, torch.Tensor]:
     """Runs one round's clients and sets each parameter's `.grad` to minus the mean delta.
 
@@ -103,8 +106,9 @@ def outer_step(
     to differentiate through a round).
 
     Args:
-      local, params, client_batches, hparams, weights, strategy, chunk_size, mesh: as for
-        `mean_delta`.
+      local, params, client_batches: as for `mean_delta`.
+      options: `mean_delta`'s keyword arguments (hparams, weights, strategy, chunk_size,
+        mesh), with its defaults.
 
     Returns:
       The round's metrics, `{"loss": ..., "first_loss": ...}` (0-d torch tensors).
@@ -123,16 +127,7 @@ def outer_step(
       >>> server_opt.zero_grad()
     """
     with torch.no_grad():
-        delta, metrics = mean_delta(
-            local,
-            params,
-            client_batches,
-            hparams=hparams,
-            weights=weights,
-            strategy=strategy,
-            chunk_size=chunk_size,
-            mesh=mesh,
-        )
+        delta, metrics = mean_delta(local, params, client_batches, **options)
         set_pseudo_gradient(params, delta)
     return metrics
 

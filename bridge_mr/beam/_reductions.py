@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ._jaxpr import read
-from ._rules import Checker
+from ._rules import Checker, registrar
 
 
 @dataclasses.dataclass
@@ -48,13 +48,7 @@ def reduction_rule(*names: str) -> Callable[[ReductionRule], ReductionRule]:
     Returns:
         A decorator that registers its function and returns it unchanged.
     """
-
-    def register(rule: ReductionRule) -> ReductionRule:
-        for name in names:
-            _REDUCTION_RULES[name] = rule
-        return rule
-
-    return register
+    return registrar(_REDUCTION_RULES, names)
 
 
 def contribution(eqn: Any, checker: Checker) -> Contribution | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import jax
 import numpy as np
@@ -209,6 +209,28 @@ class Site:
 
 # --- client rules -----------------------------------------------------------------------------
 
+_Rule = TypeVar("_Rule", bound=Callable[..., Any])
+
+
+def registrar(table: dict[str, _Rule], names: tuple[str, ...]) -> Callable[[_Rule], _Rule]:
+    """A decorator that registers its function as the rule in `table` of the primitives `names`.
+
+    Args:
+        table: The rules by primitive name.
+        names: Primitive names.
+
+    Returns:
+        A decorator that registers its function and returns it unchanged.
+    """
+
+    def register(rule: _Rule) -> _Rule:
+        for name in names:
+            table[name] = rule
+        return rule
+
+    return register
+
+
 ClientRule = Callable[[Site], None]
 _CLIENT_RULES: dict[str, ClientRule] = {}
 
@@ -222,13 +244,7 @@ def client_rule(*names: str) -> Callable[[ClientRule], ClientRule]:
     Returns:
         A decorator that registers its function and returns it unchanged.
     """
-
-    def register(rule: ClientRule) -> ClientRule:
-        for name in names:
-            _CLIENT_RULES[name] = rule
-        return rule
-
-    return register
+    return registrar(_CLIENT_RULES, names)
 
 
 def _apply_client_rule(site: Site) -> None:

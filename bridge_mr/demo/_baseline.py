@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch import nn
 from torch.func import grad_and_value, vmap
 
-from ._model import client_loss
+from ._model import ModelClients
 from ._train import LocalUpdate, Tensors
 
 
-class TorchFuncClients:
-    """Runs every client at once with `torch.func.vmap` over `client_loss` of `model`.
-
-    Args:
-      model: the torch network whose `client_loss` the clients compute.
-      local_lr: the clients' SGD learning rate (FedAvg).
-    """
+class TorchFuncClients(ModelClients):
+    """Runs every client at once with `torch.func.vmap` over `client_loss` of `model`."""
 
     name = "torch.func"
 
-    def __init__(self, model: nn.Module, *, local_lr: float) -> None:
-        self._loss = functools.partial(client_loss, model)
-        self._local_lr = local_lr
-
     def _local_sgd(self, params: Tensors, batches: Tensors) -> LocalUpdate:
-        step_grad = grad_and_value(self._loss)
+        step_grad = grad_and_value(self._torch_loss)
         current, losses = dict(params), []
         for step in range(batches["x"].shape[0]):
             grads, loss = step_grad(current, {name: b[step] for name, b in batches.items()})
@@ -38,7 +26,7 @@ class TorchFuncClients:
 
     def mean_loss(self, params: Tensors, batch: Tensors) -> torch.Tensor:
         """The clients' mean loss; differentiable with respect to `params`."""
-        return vmap(self._loss, in_dims=(None, 0))(dict(params), batch).mean()
+        return vmap(self._torch_loss, in_dims=(None, 0))(dict(params), batch).mean()
 
     def mean_local_update(self, params: Tensors, batches: Tensors) -> LocalUpdate:
         """The clients' mean local-SGD delta and mean local loss."""

@@ -17,26 +17,22 @@ from torch import nn
 
 import bridge_mr
 
-from ._model import client_loss
+from ._model import ModelClients
 from ._train import LocalUpdate, Tensors
 
 Arrays = dict[str, jax.Array]
 Loss = Callable[[Arrays, Arrays], jax.Array]
 
 
-class BridgeClients:
-    """The clients' work as one JAX program per round, by `bridge_mr.map_reduce`.
-
-    Args:
-      model: the torch network whose `client_loss` the clients compute.
-      local_lr: the clients' SGD learning rate (FedAvg).
-    """
+class BridgeClients(ModelClients):
+    """The clients' work as one JAX program per round, by `bridge_mr.map_reduce`."""
 
     name = "bridge_mr"
 
     def __init__(self, model: nn.Module, *, local_lr: float) -> None:
+        super().__init__(model, local_lr=local_lr)
         # One function object each, made once: map_reduce traces once per (fn, signature).
-        self._loss = bridge_mr.from_torch(functools.partial(client_loss, model))
+        self._loss = bridge_mr.from_torch(self._torch_loss)
         self._local_sgd = functools.partial(_local_sgd, self._loss, lr=local_lr)
 
     def mean_loss(self, params: Tensors, batch: Tensors) -> torch.Tensor:

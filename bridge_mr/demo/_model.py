@@ -1,11 +1,12 @@
 """The model, written once in torch: an MLP, each client's loss, and the test accuracy.
 
 Both client implementations run this torch code: the baseline with `torch.func`, bridge_mr as
-JAX operations through `bridge_mr.from_torch`.
+JAX operations through `bridge_mr.from_torch`; both start from `ModelClients`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -48,6 +49,19 @@ def client_loss(
     """
     logits = functional_call(model, dict(params), (batch["x"],))
     return F.cross_entropy(logits, batch["y"])
+
+
+class ModelClients:
+    """What both client implementations start from: `client_loss` of `model`, and a local rate.
+
+    Args:
+      model: the torch network whose `client_loss` the clients compute.
+      local_lr: the clients' SGD learning rate (FedAvg).
+    """
+
+    def __init__(self, model: nn.Module, *, local_lr: float) -> None:
+        self._torch_loss = functools.partial(client_loss, model)
+        self._local_lr = local_lr
 
 
 @torch.no_grad()

@@ -42,29 +42,32 @@ class Clients(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class FedSGDConfig:
-    """FedSGD: each round, every client's batch gradient, averaged, steps a server Adam."""
+class _RoundsConfig:
+    """What both loops draw their clients' batches by (`client_batches`)."""
 
     rounds: int = 60
     batch_size: int = 32
-    lr: float = 0.02
     seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
-class FedAvgConfig:
+class FedSGDConfig(_RoundsConfig):
+    """FedSGD: each round, every client's batch gradient, averaged, steps a server Adam."""
+
+    lr: float = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAvgConfig(_RoundsConfig):
     """FedAvg/FedOpt: local SGD on each client, the mean delta applied by a server SGD.
 
     The clients' own learning rate belongs to the `Clients` implementation. `server_lr=1,
     server_momentum=0` is FedAvg; other values make it FedAvgM, a FedOpt.
     """
 
-    rounds: int = 60
     local_steps: int = 10
-    batch_size: int = 32
     server_lr: float = 1.0
     server_momentum: float = 0.0
-    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,11 @@ class PhaseResult:
 class _RoundLog:
     """Collects per-round losses and timings, and shows them on a progress bar."""
 
-    def __init__(self, rounds: int, description: str, *, show_progress: bool) -> None:
+    def __init__(
+        self, rounds: int, algorithm: str, implementation: str, *, show_progress: bool
+    ) -> None:
+        self._algorithm = algorithm
+        self._implementation = implementation
         self.losses: list[float] = []
         self.first_round_seconds = float("nan")
         self._bar = None
@@ -90,6 +97,7 @@ class _RoundLog:
             from tqdm import tqdm
 
             # disable=None: no bar when stderr is not a terminal.
+            description = f"{algorithm} {implementation}"
             self._bar = tqdm(total=rounds, desc=description, unit="round", disable=None)
         self._start = time.perf_counter()
 
@@ -102,12 +110,19 @@ class _RoundLog:
             self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self._bar.update()
 
-    def finish(self) -> float:
-        """Closes the bar; returns the seconds since the log was created."""
+    def finish(self, model: nn.Module, data: FederatedDigits) -> PhaseResult:
+        """Closes the bar; returns the run, timed since the log was created, and its accuracy."""
         seconds = time.perf_counter() - self._start
         if self._bar is not None:
             self._bar.close()
-        return seconds
+        return PhaseResult(
+            algorithm=self._algorithm,
+            implementation=self._implementation,
+            losses=self.losses,
+            accuracy=accuracy(model, data.test_x, data.test_y),
+            seconds=seconds,
+            first_round_seconds=self.first_round_seconds,
+        )
 
 
 def train_fedsgd(
@@ -121,7 +136,7 @@ def train_fedsgd(
     """Trains `model` in place with FedSGD; the loss is the clients' mean batch loss."""
     params = dict(model.named_parameters())
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    log = _RoundLog(config.rounds, f"FedSGD {clients.name}", show_progress=show_progress)
+    log = _RoundLog(config.rounds, "FedSGD", clients.name, show_progress=show_progress)
     for batch in client_batches(
         data, rounds=config.rounds, batch_size=config.batch_size, seed=config.seed
     ):
@@ -130,15 +145,7 @@ def train_fedsgd(
         loss.backward()
         optimizer.step()
         log.record(loss.item())
-    seconds = log.finish()
-    return PhaseResult(
-        algorithm="FedSGD",
-        implementation=clients.name,
-        losses=log.losses,
-        accuracy=accuracy(model, data.test_x, data.test_y),
-        seconds=seconds,
-        first_round_seconds=log.first_round_seconds,
-    )
+    return log.finish(model, data)
 
 
 def train_fedavg(
@@ -156,7 +163,7 @@ def train_fedavg(
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.server_lr, momentum=config.server_momentum
     )
-    log = _RoundLog(config.rounds, f"FedAvg {clients.name}", show_progress=show_progress)
+    log = _RoundLog(config.rounds, "FedAvg", clients.name, show_progress=show_progress)
     for batches in client_batches(
         data,
         rounds=config.rounds,
@@ -170,12 +177,4 @@ def train_fedavg(
             p.grad = -update["delta"][name]
         optimizer.step()
         log.record(update["loss"].item())
-    seconds = log.finish()
-    return PhaseResult(
-        algorithm="FedAvg",
-        implementation=clients.name,
-        losses=log.losses,
-        accuracy=accuracy(model, data.test_x, data.test_y),
-        seconds=seconds,
-        first_round_seconds=log.first_round_seconds,
-    )
+    return log.finish(model, data)

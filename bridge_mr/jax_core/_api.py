@@ -158,11 +158,12 @@ def reduce_mean(x: PyTree) -> PyTree:
         ValueError: A leaf is 0-d or its leading dimension is not the placement size.
 
     Example:
+        A pytree of placed values, each averaged; integers give floats:
+
         >>> from bridge_mr import jax_core as mr
-        >>> with mr.program(placements={"clients": 3}):
-        ...     mean = mr.reduce_mean(jnp.arange(6.0).reshape(3, 2))  # rows [0, 1], [2, 3], [4, 5]
-        >>> mean
-        Array([2., 3.], dtype=float32)
+        >>> updates = {"w": jnp.arange(6.0).reshape(3, 2), "steps": jnp.array([1, 2, 6])}
+        >>> mr.program(placements={"clients": 3})(mr.reduce_mean)(updates)
+        {'steps': Array(3., dtype=float32), 'w': Array([2., 3.], dtype=float32)}
     """
     return _reduce(_primitives.placed_mean, x, "reduce_mean")
 

@@ -12,6 +12,7 @@ from them are again programs of these primitives.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import jax
@@ -107,57 +108,13 @@ def _broadcast_batch(
 batching.primitive_batchers[broadcast_p] = _broadcast_batch
 
 
-# --- placed_sum -------------------------------------------------------------------------------
-
-sum_p = jex_core.Primitive("placed_sum")
-sum_p.def_impl(functools.partial(xla.apply_primitive, sum_p))
-
-
-def placed_sum(x: jax.Array, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
-    """Binds `placed_sum`: the sum over the leading placement axis."""
-    return sum_p.bind(x, placement=placement, size=size, mesh=mesh)
+# --- placed_sum and placed_mean: the reductions over the leading placement axis ---------------
 
 
 def _reduced_aval(x: Any, dtype: np.dtype) -> Any:
     sharding = x.sharding.update(spec=P(*x.sharding.spec[1:]))
     weak_type = x.weak_type and dtype == x.dtype
     return x.update(shape=x.shape[1:], dtype=dtype, weak_type=weak_type, sharding=sharding)
-
-
-def _sum_abstract_eval(x: Any, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
-    del mesh  # Unused.
-    _check_placed_aval(x, placement, size, "placed_sum")
-    return _reduced_aval(x, sum_dtype(x.dtype))
-
-
-sum_p.def_abstract_eval(_sum_abstract_eval)
-
-
-def _sum_lowering_fn(x: jax.Array, *, placement: str, size: Size, mesh: Any) -> jax.Array:
-    del placement, size, mesh  # Unused.
-    return jnp.sum(x, axis=0, dtype=sum_dtype(x.dtype))
-
-
-mlir.register_lowering(sum_p, mlir.lower_fun(_sum_lowering_fn, multiple_results=False))
-
-
-def _cotangent_mesh(x: Any, placement: str) -> AnyMesh | None:
-    """The broadcast mesh that gives a cotangent the type of the reduced input `x`.
-
-    The cotangent is typed sharded along `placement` exactly when `x` was, whatever mesh the
-    reduction was given: placed values may come unsharded from outside an Explicit mesh, or
-    sharded by an earlier `map_fn(mesh=...)`.
-    """
-    sharding = x.aval.sharding
-    return sharding.mesh if sharding.spec and sharding.spec[0] == placement else None
-
-
-def _sum_transpose(ct: Any, x: Any, *, placement: str, size: Size, mesh: Any) -> list[Any]:
-    mesh = _cotangent_mesh(x, placement)
-    return [placed_broadcast(ct, placement=placement, size=size, mesh=mesh)]
-
-
-ad.deflinear2(sum_p, _sum_transpose)
 
 
 def _reduction_batch(
@@ -172,37 +129,77 @@ def _reduction_batch(
     return primitive.bind(x, **params), 0
 
 
-batching.primitive_batchers[sum_p] = functools.partial(_reduction_batch, sum_p)
+def _reduction_primitive(
+    name: str,
+    dtype_of: Callable[[np.dtype], np.dtype],
+    reduce: Callable[[jax.Array], jax.Array],
+) -> jex_core.Primitive:
+    """The reduction primitive `name`: its impl, abstract eval, lowering and batching rule.
+
+    Its result has dtype `dtype_of(x.dtype)` and lowers to `reduce(x)` (over axis 0), whatever
+    the params; its transpose is registered by the caller.
+    """
+    primitive = jex_core.Primitive(name)
+    primitive.def_impl(functools.partial(xla.apply_primitive, primitive))
+
+    def abstract_eval(x: Any, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
+        del mesh  # Unused.
+        _check_placed_aval(x, placement, size, name)
+        return _reduced_aval(x, dtype_of(x.dtype))
+
+    def lowering_fn(x: jax.Array, **params: Any) -> jax.Array:
+        del params  # Unused.
+        return reduce(x)
+
+    primitive.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(primitive, mlir.lower_fun(lowering_fn, multiple_results=False))
+    batching.primitive_batchers[primitive] = functools.partial(_reduction_batch, primitive)
+    return primitive
+
+
+def _cotangent_mesh(x: Any, placement: str) -> AnyMesh | None:
+    """The broadcast mesh that gives a cotangent the type of the reduced input `x`.
+
+    The cotangent is typed sharded along `placement` exactly when `x` was, whatever mesh the
+    reduction was given: placed values may come unsharded from outside an Explicit mesh, or
+    sharded by an earlier `map_fn(mesh=...)`.
+    """
+    sharding = x.aval.sharding
+    return sharding.mesh if sharding.spec and sharding.spec[0] == placement else None
+
+
+# --- placed_sum -------------------------------------------------------------------------------
+
+sum_p = _reduction_primitive(
+    "placed_sum", sum_dtype, lambda x: jnp.sum(x, axis=0, dtype=sum_dtype(x.dtype))
+)
+
+
+def placed_sum(x: jax.Array, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
+    """Binds `placed_sum`: the sum over the leading placement axis."""
+    return sum_p.bind(x, placement=placement, size=size, mesh=mesh)
+
+
+def _sum_transpose(ct: Any, x: Any, *, placement: str, size: Size, mesh: Any) -> list[Any]:
+    mesh = _cotangent_mesh(x, placement)
+    return [placed_broadcast(ct, placement=placement, size=size, mesh=mesh)]
+
+
+ad.deflinear2(sum_p, _sum_transpose)
 
 
 # --- placed_mean ------------------------------------------------------------------------------
 
-mean_p = jex_core.Primitive("placed_mean")
-mean_p.def_impl(functools.partial(xla.apply_primitive, mean_p))
+# No dtype= in the lowering: jnp.mean then accumulates float16 / bfloat16 in float32 (as torch
+# does), where a sum in the value's own dtype would overflow.
+mean_p = _reduction_primitive(
+    "placed_mean", mean_dtype, lambda x: jnp.mean(x, axis=0).astype(mean_dtype(x.dtype))
+)
 
 
 def placed_mean(x: jax.Array, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
     """Binds `placed_mean`: the mean over the leading placement axis (ints give floats)."""
     return mean_p.bind(x, placement=placement, size=size, mesh=mesh)
-
-
-def _mean_abstract_eval(x: Any, *, placement: str, size: Size, mesh: AnyMesh | None) -> Any:
-    del mesh  # Unused.
-    _check_placed_aval(x, placement, size, "placed_mean")
-    return _reduced_aval(x, mean_dtype(x.dtype))
-
-
-mean_p.def_abstract_eval(_mean_abstract_eval)
-
-
-def _mean_lowering_fn(x: jax.Array, *, placement: str, size: Size, mesh: Any) -> jax.Array:
-    del placement, size, mesh  # Unused.
-    # No dtype= here: jnp.mean then accumulates float16 / bfloat16 in float32 (as torch does),
-    # where a sum in the value's own dtype would overflow.
-    return jnp.mean(x, axis=0).astype(mean_dtype(x.dtype))
-
-
-mlir.register_lowering(mean_p, mlir.lower_fun(_mean_lowering_fn, multiple_results=False))
 
 
 def _mean_transpose(ct: Any, x: Any, *, placement: str, size: Size, mesh: Any) -> list[Any]:
@@ -213,4 +210,3 @@ def _mean_transpose(ct: Any, x: Any, *, placement: str, size: Size, mesh: Any) -
 
 
 ad.deflinear2(mean_p, _mean_transpose)
-batching.primitive_batchers[mean_p] = functools.partial(_reduction_batch, mean_p)

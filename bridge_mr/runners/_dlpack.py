@@ -64,8 +64,8 @@ class DlpackRunner:
         and exported outputs gathered, so torch sees one device. None for one device.
       compiler_options: XLA options to compile `jitted` with (`jitted` itself must have none:
         jax.jit takes them at the top level only).
-      names: what error messages call each tensor input (e.g. "map_reduce: argument
-        clients['y']" for a label out of int32's range); default `tensors[i]`.
+      names: what `jit_arguments`' errors call each tensor input (a packed buffer: its tensors'
+        names joined by " + "; see `runner_for`); default `tensors[i]`.
     """
 
     def __init__(

@@ -71,8 +71,8 @@ class XlaRunner:
       jitted: the jitted program, traced under `trace_context()`.
       in_avals: shapes and dtypes of its inputs (tensors, then carried values).
       n_exported: how many leading outputs are returned as exported; the rest are carried.
-      names: what error messages call each tensor input (e.g. "map_reduce: argument
-        clients['y']" for a label out of int32's range); default `tensors[i]`.
+      names: what the errors of the int32 / uint32 range check above call each tensor input
+        (see `runner_for`); default `tensors[i]`.
     """
 
     def __init__(

@@ -404,21 +404,17 @@ def _batch_norm_legit(
 
 
 def _batch_norm_functional(
-    input: Any,
-    weight: Any,
-    bias: Any,
-    running_mean: Any,
-    running_var: Any,
-    training: bool,
-    momentum: float,
-    eps: float,
+    input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, *options: Any
 ) -> tuple[Any, Any, Any, Any, Any]:
     """`aten._native_batch_norm_legit_functional`, what functionalization makes of batch norm.
+
+    `options` are (training, momentum, eps), as `_batch_norm_legit` takes them; the running
+    statistics are written to copies, which are returned.
 
     Returns (output, saved mean, saved inverse std, new running mean, new running var).
     """
     tx = torchax_compat.import_torchax()
     env = environment()
     mean, var = (tx.Tensor(torchax_compat.value_of(s), env) for s in (running_mean, running_var))
-    out = _batch_norm_legit(input, weight, bias, mean, var, training, momentum, eps)
+    out = _batch_norm_legit(input, weight, bias, mean, var, *options)
     return (*out, mean, var)

@@ -40,7 +40,7 @@ _WORKER = textwrap.dedent(
     )
     # One write of one line: the two ranks share the pipe, and print() of several arguments
     # writes them piece by piece, which interleaved the ranks' lines on a loaded machine.
-    sys.stdout.write(" ".join(map(str, fields)) + "\n")
+    sys.stdout.write(" ".join(map(str, fields)) + "\\n")
     sys.stdout.flush()
     """
 )
