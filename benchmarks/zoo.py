@@ -296,8 +296,12 @@ def client_loss(entry: ZooModel, model: nn.Module) -> Callable[..., Any]:
     """The torch client loss `(params, buffers, batch) -> loss`, as a user writes it for
     `from_torch` (convert with `mutable=1` when `entry.batch_norm`)."""
 
+    # The closure holds the loss and the model only (not `entry`, whose builders read the zoo's
+    # tables): bridge_mr keys it by the model it reads, as a user's closure would be keyed.
+    torch_loss = entry.loss
+
     def loss(params: State, buffers: State, batch: Batch) -> torch.Tensor:
-        return entry.loss(model, {**params, **buffers}, batch)
+        return torch_loss(model, {**params, **buffers}, batch)
 
     return loss
 
