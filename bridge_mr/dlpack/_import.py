@@ -173,7 +173,16 @@ def jit_arguments(
       Array(3., dtype=float32)
     """
     name_of = _positional_name if names is None else names.__getitem__
-    if not _numpy_goes_to_cpu() or _host_transfers_guarded():
+    # Inline, as this runs on every call of a torch function: whether jit places a numpy
+    # argument on a CPU device (where it can share its memory), and whether a
+    # `jax.transfer_guard` watches host-to-device transfers (jit would count a numpy view as
+    # one, although it shares memory; a DLPack import does not count).
+    device = _runtime.default_device()
+    if device is not None:
+        numpy_to_cpu = getattr(device, "platform", device) == "cpu"
+    else:
+        numpy_to_cpu = _runtime.default_platform() == "cpu"
+    if not numpy_to_cpu or _JAX_CONFIG.jax_transfer_guard_host_to_device not in (None, "allow"):
         return _import_all(tensors, False, name_of)
     out: list[Any] = []
     imported: list[int] = []
@@ -207,14 +216,6 @@ _NOT_AS_IS = (AttributeError, KeyError, RuntimeError, BufferError)
 _NUMPY_DTYPES = frozenset(d for d in _FLAGS if _dtypes.DTYPES[d].numpy)
 
 
-def _numpy_goes_to_cpu() -> bool:
-    """Whether jit places a numpy argument on a CPU device (where it can share its memory)."""
-    device = _runtime.default_device()
-    if device is not None:
-        return getattr(device, "platform", device) == "cpu"
-    return _runtime.default_platform() == "cpu"
-
-
 class _TransferGuardConfig(Protocol):
     jax_transfer_guard_host_to_device: str | None
 
@@ -222,15 +223,6 @@ class _TransferGuardConfig(Protocol):
 # jax registers its options as properties of `jax.config`'s class at run time: that class, as
 # jax declares it, has none of them.
 _JAX_CONFIG = cast(_TransferGuardConfig, jax.config)
-
-
-def _host_transfers_guarded() -> bool:
-    """Whether a `jax.transfer_guard` watches host-to-device transfers in this thread.
-
-    jit counts a numpy argument as such a transfer even where it shares memory; a DLPack import
-    shares memory without counting as one, so a guarded call takes that path.
-    """
-    return _JAX_CONFIG.jax_transfer_guard_host_to_device not in (None, "allow")
 
 
 def _positional_name(index: int) -> str:

@@ -93,10 +93,12 @@ def jax_device(platform: str, local_id: int) -> Any:
 
 def default_platform() -> str:
     """The platform of JAX's default backend ("cpu", "gpu", ...)."""
+    if _jax_compat.backends_generation() is _cache_generation:  # `_current_cache`, inline.
+        platform = _cache.get("default")
+        if platform is not None:
+            return platform
     cache = _current_cache()
-    platform = cache.get("default")
-    if platform is None:
-        platform = cache["default"] = jax.default_backend()
+    platform = cache["default"] = jax.default_backend()
     return platform
 
 

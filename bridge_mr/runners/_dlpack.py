@@ -117,11 +117,15 @@ class DlpackRunner:
     def __call__(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
-        crossing = [
-            torch_compat.flatten_dense_tensors([tensors[i] for i in group])
-            for group in self._groups
-        ]
-        crossing += [tensors[i] for i in self._singles]
+        # Loops, not comprehensions: each comprehension is a Python call, on every call.
+        crossing = []
+        for group in self._groups:
+            members = []
+            for i in group:
+                members.append(tensors[i])
+            crossing.append(torch_compat.flatten_dense_tensors(members))
+        for i in self._singles:
+            crossing.append(tensors[i])
         arrays = jit_arguments(crossing, names=self._crossing_names)
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)

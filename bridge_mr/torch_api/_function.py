@@ -121,6 +121,10 @@ class TorchFunction:
         self.compilable = compilable
         self._entries: dict[tuple[Any, ...], Entry] = {}
         self._identity_keys: list[tuple[Any, ...]] = []
+        # Entries a caller finds by its own, cheaper key (`map_reduce`'s cached calls): read
+        # directly, added to by `remember`, cleared with the cache.
+        self.hits: dict[Any, Entry] = {}
+        self._identity_hits: list[Any] = []
         # Per code object: how many distinct function objects of it were traced, and the last.
         self._retraces: dict[Any, tuple[int, int, int]] = {}
         self._lock = threading.RLock()
@@ -183,6 +187,8 @@ class TorchFunction:
         with self._lock:
             self._entries.clear()
             self._identity_keys.clear()
+            self.hits.clear()
+            self._identity_hits.clear()
             self._retraces.clear()
 
     def __repr__(self) -> str:
@@ -216,6 +222,18 @@ class TorchFunction:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
+        found = self.lookup(args, kwargs)
+        if found is None:
+            return self._jax_fn(*args, **kwargs)
+        return run(*found)
+
+    def lookup(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Entry, list[torch.Tensor]] | None:
+        """The entry of a call's signature (traced on a miss) and the call's tensors, in order.
+
+        None for a call with no tensor of a `passthrough_jax` function (a plain JAX call).
+        """
         try:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         except (TypeError, ValueError) as err:
@@ -223,7 +241,7 @@ class TorchFunction:
         grad = torch.is_grad_enabled()
         key, tensors = _signature.call_key(leaves, treedef, grad)
         if not tensors and self._passthrough_jax:
-            return self._jax_fn(*args, **kwargs)
+            return None
         try:
             entry = self._entries.get(key)
         except TypeError:
@@ -232,11 +250,18 @@ class TorchFunction:
             ) from None
         if entry is None:
             entry = self._entry(key, treedef, leaves, tensors, grad)
-        outputs = apply(entry, tensors)
-        found = entry.traced.outputs
-        if found.is_leaf:
-            return outputs[0]
-        return jax.tree_util.tree_unflatten(found.tree, outputs)
+        return entry, tensors
+
+    def remember(self, key: Any, entry: Entry, *, by_identity: bool) -> None:
+        """Keeps `entry` in `hits` under `key` (a function keyed `by_identity`: more tightly)."""
+        with self._lock:
+            if by_identity:
+                self._identity_hits.append(key)
+                if len(self._identity_hits) > _MAX_IDENTITY_ENTRIES:
+                    self.hits.pop(self._identity_hits.pop(0), None)
+            if len(self.hits) >= _MAX_ENTRIES:
+                del self.hits[next(iter(self.hits))]
+            self.hits[key] = entry
 
     def _entry(
         self,
@@ -384,6 +409,15 @@ class TorchFunction:
                     RetraceWarning,
                     stacklevel=5,
                 )
+
+
+def run(entry: Entry, tensors: list[torch.Tensor]) -> PyTree:
+    """Runs a call of `entry` on its tensors; its outputs in the traced function's structure."""
+    outputs = apply(entry, tensors)
+    found = entry.traced.outputs
+    if found.is_leaf:
+        return outputs[0]
+    return jax.tree_util.tree_unflatten(found.tree, outputs)
 
 
 def _derived(jax_fn: Any, name: str) -> TorchFunction:

@@ -10,16 +10,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
+import jax
 import torch
 from jax.sharding import AbstractMesh, Mesh
 
 from bridge_mr import distributed, jax_core
+from bridge_mr._compat import jax as jax_compat
+from bridge_mr._compat import torch as torch_compat
 
 from . import _weights
 from ._auto import MapReduceFunction, Round, choose, same
-from ._function import TorchFunction
+from ._autograd import Entry
+from ._function import TorchFunction, run
 from ._processes import across_processes, holds_tensors
 from ._round import ARG_NAMES, STRATEGIES, ClientFn, PyTree, Reduction, Strategy, map_reduce_jax
+from ._static import FUNCTION_TYPES, FunctionIdentity, function_key, static_key
 
 
 def map_reduce(
@@ -131,38 +136,100 @@ def map_reduce(
       >>> update["delta"]["w"].shape, update["delta"]["b"].shape
       (torch.Size([3]), torch.Size([]))
     """
-    strategy = _strategy(strategy, chunk_size, memory_budget_bytes)
-    jax_core.check_mesh(mesh, caller="map_reduce", placement=placement)
-    if distributed.multi_process() and holds_tensors((server, clients, weights)):
-        across: Callable[..., PyTree] = across_processes
-        if torch.compiler.is_compiling():
-            # It exchanges facts with the other ranks before the program: eagerly, between two
-            # graphs (built here: building it imports torch._dynamo).
-            across = cast(Callable[..., PyTree], torch.compiler.disable(across_processes))
-        return across(
-            fn,
-            server,
-            clients,
-            reduce,
-            weights,
-            placement,
-            mesh,
-            check_weights,
-            strategy,
-            chunk_size,
-            memory_budget_bytes,
-        )
+    options = (reduce, placement, mesh, check_weights, strategy, chunk_size, memory_budget_bytes)
+    cached = None
+    if not torch.compiler.is_compiling() and not distributed.multi_process():
+        cached = _cached(fn, server, clients, weights, options)
+    if cached is None or cached[2] is None:  # Not cached: the arguments are checked.
+        strategy = _strategy(strategy, chunk_size, memory_budget_bytes)
+        jax_core.check_mesh(mesh, caller="map_reduce", placement=placement)
+        if distributed.multi_process() and holds_tensors((server, clients, weights)):
+            return _across_processes(fn, server, clients, weights, *options)
     check_after = None
     if weights is not None and check_weights and reduce == "weighted_mean":
         check_after = _weights.check_weights(weights)
-    args = (fn, server, clients, weights, reduce, placement, mesh)
-    if strategy == "auto":
-        result = MAP_REDUCE(*args, *choose(args, memory_budget_bytes, _ONE_PROCESS))
+    if cached is not None and cached[2] is not None:
+        result = run(cached[2], cached[1])
     else:
-        result = MAP_REDUCE(*args, strategy, chunk_size)
+        args = (fn, server, clients, weights, reduce, placement, mesh)
+        if strategy == "auto":
+            picked = choose(args, memory_budget_bytes, _ONE_PROCESS)
+        else:
+            picked = (strategy, chunk_size)
+        found = None if torch.compiler.is_compiling() else MAP_REDUCE.lookup((*args, *picked), {})
+        if found is not None:
+            result = run(*found)
+            if cached is not None:
+                _remember(cached, found[0])
+        elif torch.compiler.is_compiling():
+            result = MAP_REDUCE(*args, *picked)
+        else:  # JAX inputs: the JAX round itself.
+            result = map_reduce_jax(*args, *picked)
     if check_after is not None:
         check_after()
     return result
+
+
+def _across_processes(fn: ClientFn, server: PyTree, clients: PyTree, weights: PyTree,
+                      reduce: Reduction, placement: str, mesh: Any, check_weights: bool,
+                      strategy: Strategy, chunk_size: int | None,
+                      memory_budget_bytes: int | None) -> PyTree:  # fmt: skip
+    """The round across torchrun processes (`_processes`), eagerly under `torch.compile`."""
+    across: Callable[..., PyTree] = across_processes
+    if torch.compiler.is_compiling():
+        # It exchanges facts with the other ranks before the program: eagerly, between two
+        # graphs (built here: building it imports torch._dynamo).
+        across = cast(Callable[..., PyTree], torch.compiler.disable(across_processes))
+    return across(fn, server, clients, reduce, weights, placement, mesh, check_weights,
+                  strategy, chunk_size, memory_budget_bytes)  # fmt: skip
+
+
+def _cached(
+    fn: ClientFn, server: PyTree, clients: PyTree, weights: PyTree, options: tuple[Any, ...]
+) -> tuple[Any, list[torch.Tensor], Entry | None] | None:
+    """A call's cached-call key, its tensors and the entry an earlier call left under the key.
+
+    The key holds `fn`'s key (`_static.function_key`: by value or identity, its walk skipped
+    while what it read is unchanged), the tree structure, each tensor's shape, dtype, device,
+    layout and `requires_grad`, grad mode, the call's options (reduce, placement, mesh,
+    strategy, ...), the active placement, the ambient mesh and JAX's trace context: what the
+    full key of `MAP_REDUCE` holds for the same call, and what auto's choice depends on. None
+    where a leaf is not a plain torch tensor (numbers, subclasses: the full path takes them),
+    or the arguments cannot be flattened or hashed (the full path names what).
+    """
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten((server, clients, weights))
+    except (TypeError, ValueError):  # Dict keys that do not sort: the full path names them.
+        return None
+    parts = []
+    for leaf in leaves:
+        if type(leaf) is not torch.Tensor:
+            return None
+        parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad))
+    key = (
+        function_key(fn) if isinstance(fn, FUNCTION_TYPES) else static_key(fn),
+        treedef,
+        tuple(parts),
+        torch.is_grad_enabled(),
+        options,
+        jax_core.current_placement(),
+        jax_core.ambient_mesh(),
+        jax_compat.trace_context(),
+    )
+    try:
+        return key, leaves, MAP_REDUCE.hits.get(key)
+    except TypeError:
+        return None
+
+
+def _remember(cached: tuple[Any, list[torch.Tensor], Entry | None], entry: Entry) -> None:
+    """Keeps the entry a call ran under its cached-call key (not under torch.func transforms,
+    where auto runs vmap without measuring; not where the full path took other tensors)."""
+    if torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active():
+        return
+    key, tensors, _ = cached
+    if len(tensors) == len(entry.traced.spec.in_avals):
+        MAP_REDUCE.remember(key, entry, by_identity=isinstance(key[0], FunctionIdentity))
 
 
 def _strategy(strategy: Any, chunk_size: Any, memory_budget_bytes: Any) -> Strategy:

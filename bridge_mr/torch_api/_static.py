@@ -63,35 +63,49 @@ def _typed(value: Any, kind: type) -> tuple[Any, ...]:
 def function_key(fn: Any) -> Any:
     """The key of a function: by value where its captures allow, else `FunctionIdentity`.
 
-    The value key of a plain function that reads no other function and no numpy array is
-    reused while everything it reads (its globals, defaults and cells) is the same object as
-    when the key was built: those values are immutable, so the same objects give the same key.
+    A value key is reused while everything its walk read is the same object as when it was
+    built: for every plain function the walk went through (`fn` and the functions it reads),
+    its code, defaults, the globals its code names and its cells. Those are the only parts of
+    such a key that can be rebound; everything else in it is immutable (numbers, tuples, frozen
+    dataclasses, partials' and methods' parts), so the same objects give the same key and the
+    walk is skipped. Keys that met a numpy array (whose writeable flag can change) are rebuilt
+    on every call, and so are identity keys.
     """
-    plain = type(fn) is types.FunctionType
-    if plain:
-        recent = _RECENT.get(id(fn))
-        if (
-            recent is not None
-            and recent[0] is fn
-            and _same_objects(_reads(fn, recent[1]), recent[2])
-        ):
-            return recent[3]
+    recent = _RECENT.get(id(fn))
+    if recent is not None and recent[0] is fn:
+        for reader, names, then in recent[1]:
+            namespace = reader.__globals__
+            now = (
+                reader.__code__,
+                reader.__defaults__,
+                reader.__kwdefaults__,
+                *map(namespace.get, names, itertools.repeat(_MISSING, len(names))),
+            )
+            if reader.__closure__ is not None:
+                now = (*now, *map(_cell_contents, reader.__closure__))
+            if len(now) != len(then) or not all(map(operator.is_, now, then)):
+                break
+        else:
+            return recent[2]
     walk = _Walk()
     try:
         key = _ValueKey(_function_parts(fn, walk), walk.keep)
     except _NotByValue as err:
+        # Not kept: holding the function would hold the mutable values it reads after its
+        # traces are cleared.
         return FunctionIdentity(fn, err.what, err.reader, err.value_id)
-    if plain and walk.functions == 1 and not walk.arrays:
+    if not walk.arrays:
         if len(_RECENT) >= _RECENT_MAX:
             del _RECENT[next(iter(_RECENT))]
-        names = _global_names(fn.__code__)
-        _RECENT[id(fn)] = (fn, names, _reads(fn, names), key)
+        _RECENT[id(fn)] = (fn, tuple(walk.readers), key)
     return key
 
 
-# Recent plain functions by id: (the function, the global names its code reads, the objects
-# it read, its key). Holding the function keeps its id from being reused.
-_RECENT: dict[int, tuple[types.FunctionType, tuple[str, ...], tuple[Any, ...], _ValueKey]]
+# Recent functions keyed by value, by id: (the function, what its key's walk read: per plain
+# function walked, the function, the global names its code reads and the objects it read; its
+# key). Holding the function keeps its id from being reused.
+_Reader = tuple[types.FunctionType, tuple[str, ...], tuple[Any, ...]]
+_RECENT: dict[int, tuple[Any, tuple[_Reader, ...], _ValueKey]]
 _RECENT = _caches.register("torch function identities", {})
 _RECENT_MAX = 256
 _MISSING = object()
@@ -116,10 +130,6 @@ def _cell_contents(cell: types.CellType) -> Any:
         return cell.cell_contents
     except ValueError:  # Not assigned yet.
         return _MISSING
-
-
-def _same_objects(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
-    return len(now) == len(then) and all(map(operator.is_, now, then))
 
 
 class FunctionIdentity:
@@ -161,37 +171,32 @@ class FunctionIdentity:
         return getattr(fn, "__code__", None)
 
 
-class _ValueKey:
-    """Parts compared with ==; objects compared by identity enter as ids, kept alive in `_keep`.
+class _ValueKey(tuple):
+    """Parts compared with ==; objects compared by identity enter as ids, kept alive in `keep`.
 
     Ids hash and compare in C, where identity wrappers would run Python on every lookup; while
-    a key holds its objects, no other live object can have their ids.
+    a key holds its objects, no other live object can have their ids. A tuple, so that hashing
+    and comparing a key runs no Python either.
     """
 
-    __slots__ = ("_hash", "_keep", "_parts")
+    keep: list[Any]
 
-    def __init__(self, parts: tuple[Any, ...], keep: list[Any]) -> None:
-        self._parts = parts
-        self._keep = keep
-        self._hash = hash(parts)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ValueKey) and other._parts == self._parts
-
-    def __hash__(self) -> int:
-        return self._hash
+    def __new__(cls, parts: tuple[Any, ...], keep: list[Any]) -> _ValueKey:
+        key = super().__new__(cls, parts)
+        key.keep = keep
+        return key
 
 
 class _Walk:
     """The state of one key's construction: functions being keyed, objects keyed by identity."""
 
-    __slots__ = ("arrays", "functions", "keep", "stack")
+    __slots__ = ("arrays", "keep", "readers", "stack")
 
     def __init__(self) -> None:
         self.stack: set[int] = set()
         self.keep: list[Any] = []
-        self.functions = 0  # Plain functions keyed by their parts.
-        self.arrays = False  # Whether a numpy array was keyed (its writeable flag can change).
+        self.readers: list[_Reader] = []  # Plain functions walked, with what they read.
+        self.arrays = False  # Whether a numpy array was met (its writeable flag can change).
 
     def ident(self, value: Any) -> int:
         self.keep.append(value)
@@ -265,9 +270,10 @@ def _value(value: Any, what: tuple[Any, ...], walk: _Walk) -> Any:
         return (kind, value.tobytes())
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
         return walk.ident(value)  # Immutable: the same array is the same value.
-    if isinstance(value, np.ndarray) and _read_only(value):
+    if isinstance(value, np.ndarray):
         walk.arrays = True
-        return walk.ident(value)
+        if _read_only(value):
+            return walk.ident(value)
     if _frozen_dataclass(value):
         fields = dataclasses.fields(value)
         return (kind, tuple(_value(getattr(value, f.name), what, walk) for f in fields))
@@ -313,17 +319,18 @@ def _function_parts(fn: Any, walk: _Walk) -> tuple[Any, ...]:
         )
     code = fn.__code__
     key = id(fn)
-    walk.functions += 1
     if key in walk.stack:  # A recursive reference: its captures are being keyed already.
         return (walk.ident(code),)
     walk.stack.add(key)
+    names = _global_names(code)
+    walk.readers.append((fn, names, _reads(fn, names)))
     try:
         name = fn.__qualname__
         namespace = fn.__globals__
         # Identity for the code: a re-created function shares its code object, and hashing
         # one by value hashes all its bytecode. Equal code from two modules reads other globals.
         parts: list[Any] = [walk.ident(code), walk.ident(namespace)]
-        for g in _global_names(code):
+        for g in names:
             if g in namespace:
                 parts += (g, _value(namespace[g], ("global {!r} read by {}", g, name), walk))
         if fn.__defaults__ is not None:

@@ -186,3 +186,14 @@ def test_new_shapes_of_the_same_function_object_do_not_warn():
         for k in (2, 3, 4, 5):
             s = torch.ones(k, requires_grad=True)
             bridge_mr.map_reduce(_scaled_by_config, s, torch.ones(5, k)).backward()
+
+
+def test_the_same_function_object_sees_a_global_rebound_in_a_function_it_calls():
+    global LEARNING_RATE
+    outer = lambda p, x: _global_lr_step(p, x)  # One object, called on every step.
+    try:
+        for lr in (0.1, 0.01, 0.1):
+            LEARNING_RATE = lr  # Read by _global_lr_step, which `outer` reads as a global.
+            assert_trees_all_close(bridge_mr.map_reduce(outer, W, CLIENTS), _expected(lr))
+    finally:
+        LEARNING_RATE = 0.1
