@@ -1,9 +1,10 @@
-"""The demo run: FedSGD and FedAvg with bridge_mr and with the torch baseline, side by side."""
+"""The demo run: FedSGD and FedAvg by bridge_mr and by the torch baselines, side by side."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import platform
 import time
 from collections.abc import Callable
@@ -11,17 +12,27 @@ from collections.abc import Callable
 import jax
 import torch
 
-from ._baseline import TorchFuncClients
+from ._baseline import TorchFuncClients, TorchLoopClients
 from ._clients import BridgeClients
-from ._data import N_CLASSES, load_federated_digits
+from ._data import N_CLASSES, FederatedDigits, client_batches, load_federated_digits
 from ._model import MLP
+from ._report import (
+    Comparison,
+    comparisons,
+    duration,
+    format_load,
+    format_speed,
+    format_table,
+)
 from ._train import (
     Clients,
     FedAvgConfig,
     FedSGDConfig,
     PhaseResult,
-    train_fedavg,
-    train_fedsgd,
+    Run,
+    fedavg_step,
+    fedsgd_step,
+    train,
 )
 
 LOCAL_LR = 0.3
@@ -29,9 +40,9 @@ LOCAL_LR = 0.3
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """What to run: the number of clients, rounds per algorithm, the seed, the baseline."""
+    """What to run: the number of clients, rounds per algorithm, the seed, the baselines."""
 
-    clients: int = 16
+    clients: int = 64
     rounds: int = 60
     seed: int = 0
     baseline: bool = True
@@ -51,25 +62,46 @@ class DemoResult:
                 return result
         raise KeyError(f"no {algorithm} run by {implementation} in this demo result")
 
+    def comparisons(self) -> list[Comparison]:
+        """bridge_mr against each baseline, per algorithm, as the report prints them."""
+        return comparisons(self.phases)
+
+    def table(self) -> str:
+        """The runs side by side: accuracy, final loss, first round, later rounds, all rounds."""
+        return format_table(self.phases)
+
+    def speed_summary(self) -> str:
+        """bridge_mr against each baseline, then where it was slower ("" with no baseline)."""
+        return format_speed(self.phases)
+
 
 def run_demo(
     config: DemoConfig, *, show_progress: bool = True, echo: Callable[[str], None] = print
 ) -> DemoResult:
-    """Trains the same initial MLP with FedSGD and FedAvg, by bridge_mr and the baseline.
+    """Trains the same initial MLP with FedSGD and FedAvg, by bridge_mr and the baselines.
 
-    Prints (through `echo`) a header, one summary line per training run and a final table.
+    The implementations' rounds are interleaved on the same batches (`train`). Prints (through
+    `echo`) what runs, one line per training run, a table (first round apart from the median
+    later round), bridge_mr against each baseline with where it was slower, and how busy the
+    rest of the machine was; every number in it comes from this run.
 
     Args:
-      config: clients, rounds per algorithm, seed, and whether to run the torch baseline.
-      show_progress: a progress bar per training run (on stderr, when it is a terminal).
+      config: clients, rounds per algorithm, seed, and whether to run the torch baselines.
+      show_progress: a progress bar per algorithm (on stderr, when it is a terminal).
       echo: where the printed lines go.
 
     Returns:
-      Every training run (FedSGD, then FedAvg; bridge_mr, then the baseline) and the time.
+      Every training run (FedSGD, then FedAvg; bridge_mr, then the baselines) and the time.
 
     Raises:
-      ValueError: `config.clients` is not between 1 and 718 (two non-empty shards each).
+      ValueError: `config.rounds` is below 2 (a first round and a later one), or
+        `config.clients` is not between 1 and 718 (two non-empty shards each).
     """
+    if config.rounds < 2:
+        raise ValueError(
+            "rounds must be at least 2 (the first round, which includes bridge_mr's "
+            f"compilation, and later rounds to compare); got {config.rounds}."
+        )
     start = time.perf_counter()
     data = load_federated_digits(config.clients, seed=config.seed)
     torch.manual_seed(config.seed)
@@ -77,7 +109,73 @@ def run_demo(
     batch_size = min(32, data.per_client)
     fedsgd = FedSGDConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     fedavg = FedAvgConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
-    n_params = sum(p.numel() for p in initial.parameters())
+    _describe(config, data, initial, fedsgd, fedavg, echo)
+
+    implementations: list[Callable[[torch.nn.Module], Clients]] = [
+        lambda model: BridgeClients(model, local_lr=LOCAL_LR)
+    ]
+    if config.baseline:
+        implementations.append(lambda model: TorchFuncClients(model, local_lr=LOCAL_LR))
+        implementations.append(lambda model: TorchLoopClients(model, local_lr=LOCAL_LR))
+    phases: list[PhaseResult] = []
+    for algorithm, step, local_steps in (
+        ("FedSGD", functools.partial(fedsgd_step, config=fedsgd), None),
+        ("FedAvg", functools.partial(fedavg_step, config=fedavg), fedavg.local_steps),
+    ):
+        runs = []
+        for make_clients in implementations:
+            model = copy.deepcopy(initial)
+            clients = make_clients(model)
+            runs.append(Run(model, clients.name, step(model, clients)))
+        batches = client_batches(
+            data,
+            rounds=config.rounds,
+            batch_size=batch_size,
+            local_steps=local_steps,
+            seed=config.seed,
+        )
+        results = train(
+            algorithm, runs, batches, data, rounds=config.rounds, show_progress=show_progress
+        )
+        for r in results:
+            echo(
+                f"  {r.algorithm} {r.implementation:<10}  test accuracy {r.accuracy:6.1%}  "
+                f"final loss {r.losses[-1]:.4f}  first round {duration(r.first_round_seconds)}, "
+                f"later rounds {duration(r.later_round_seconds)} (median)"
+            )
+        phases += results
+    result = DemoResult(phases=phases, seconds=time.perf_counter() - start)
+    echo("")
+    echo(result.table())
+    echo(
+        "1st round: bridge_mr traces the torch loss into JAX, compiles the round with XLA and "
+        'times strategy="auto"\'s candidates; the torch baselines compile nothing (their first '
+        "round is PyTorch's own warm-up)."
+    )
+    if config.baseline:
+        echo(
+            "same init, same batches: largest per-round FedSGD loss difference from bridge_mr: "
+            + ", ".join(
+                f"{name} {loss_gap(result, 'FedSGD', name):.1e}"
+                for name in (TorchFuncClients.name, TorchLoopClients.name)
+            )
+        )
+        echo("")
+        echo(result.speed_summary())
+    echo(format_load(phases))
+    return result
+
+
+def _describe(
+    config: DemoConfig,
+    data: FederatedDigits,
+    model: torch.nn.Module,
+    fedsgd: FedSGDConfig,
+    fedavg: FedAvgConfig,
+    echo: Callable[[str], None],
+) -> None:
+    """Prints the data, the model, the two algorithms and the implementations."""
+    n_params = sum(p.numel() for p in model.parameters())
     digits = (torch.nn.functional.one_hot(data.client_y, N_CLASSES).sum(dim=1) > 0).sum(dim=-1)
     fewest, most = int(digits.min()), int(digits.max())
     echo(
@@ -87,79 +185,34 @@ def run_demo(
         f"{len(data.test_y)} held-out test examples"
     )
     echo(
-        f"model: MLP 64-64-10 ({n_params:,} parameters), written once in torch: bridge_mr "
-        f"runs its client loss as JAX operations (bridge_mr.from_torch), the baseline with "
-        f"torch.func; torch {torch.__version__}, jax {jax.__version__}, "
-        f"{jax.devices()[0].platform} ({platform.machine()}), {torch.get_num_threads()} torch "
-        f"threads"
+        f"model: MLP 64-64-10 ({n_params:,} parameters), written once in torch; "
+        f"torch {torch.__version__}, jax {jax.__version__}, {jax.devices()[0].platform} "
+        f"({platform.machine()}), {torch.get_num_threads()} torch threads"
     )
     echo(
-        f"FedSGD: {fedsgd.rounds} rounds; each client's loss on {batch_size} examples, "
+        f"FedSGD: {fedsgd.rounds} rounds; each client's loss on {fedsgd.batch_size} examples, "
         f"mean over clients, loss.backward(), Adam(lr={fedsgd.lr}) on the server"
     )
     echo(
         f"FedAvg: {fedavg.rounds} rounds; each client runs {fedavg.local_steps} SGD steps "
-        f"(lr={LOCAL_LR}, batch {batch_size}), the mean delta is the server's pseudo-gradient "
-        f"for SGD(lr={fedavg.server_lr})"
+        f"(lr={LOCAL_LR}, batch {fedavg.batch_size}), the mean delta is the server's "
+        f"pseudo-gradient for SGD(lr={fedavg.server_lr})"
     )
-
-    implementations: list[Callable[[torch.nn.Module], Clients]] = [
-        lambda model: BridgeClients(model, local_lr=LOCAL_LR)
-    ]
+    echo(
+        "bridge_mr: map_reduce of the torch loss converted by bridge_mr.from_torch "
+        '(strategy="auto"), one XLA program per round'
+    )
     if config.baseline:
-        implementations.append(lambda model: TorchFuncClients(model, local_lr=LOCAL_LR))
-    trainers: list[Callable[[torch.nn.Module, Clients], PhaseResult]] = [
-        lambda model, clients: train_fedsgd(
-            model, data, clients, fedsgd, show_progress=show_progress
-        ),
-        lambda model, clients: train_fedavg(
-            model, data, clients, fedavg, show_progress=show_progress
-        ),
-    ]
-    phases = []
-    for train in trainers:
-        for make_clients in implementations:
-            model = copy.deepcopy(initial)
-            clients = make_clients(model)
-            result = train(model, clients)
-            echo(
-                f"  {result.algorithm} {clients.name:<10} test accuracy {result.accuracy:6.1%}  "
-                f"final loss {result.losses[-1]:.4f}  {result.seconds:6.2f} s"
-            )
-            phases.append(result)
-    result = DemoResult(phases=phases, seconds=time.perf_counter() - start)
-    echo("")
-    echo(format_table(result))
-    return result
+        echo("torch.func: the same torch loss, torch.func.vmap over all clients at once")
+        echo(
+            "torch loop: the loop a torch user writes, one client after another: nn.Module "
+            "forward, loss.backward(), torch.optim.SGD for FedAvg's local steps"
+        )
+        echo("(the three run the same init on the same batches, their rounds interleaved)")
 
 
-def fedsgd_loss_gap(result: DemoResult) -> float:
-    """The largest per-round FedSGD loss difference between bridge_mr and the baseline."""
-    ours = result.phase("FedSGD", BridgeClients.name).losses
-    theirs = result.phase("FedSGD", TorchFuncClients.name).losses
+def loss_gap(result: DemoResult, algorithm: str, implementation: str) -> float:
+    """The largest per-round loss difference of `algorithm` between bridge_mr and another."""
+    ours = result.phase(algorithm, BridgeClients.name).losses
+    theirs = result.phase(algorithm, implementation).losses
     return max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
-
-
-def format_table(result: DemoResult) -> str:
-    """The runs side by side: accuracy, final loss, wall time, first round, later rounds."""
-    header = (
-        f"{'algorithm':<9}  {'implementation':<14}  {'rounds':>6}  {'test acc':>8}  "
-        f"{'final loss':>10}  {'time':>8}  {'1st round':>9}  {'per later round':>15}"
-    )
-    lines = [header, "-" * len(header)]
-    for phase in result.phases:
-        rounds = len(phase.losses)
-        later = (phase.seconds - phase.first_round_seconds) / max(rounds - 1, 1)
-        lines.append(
-            f"{phase.algorithm:<9}  {phase.implementation:<14}  {rounds:>6}  "
-            f"{phase.accuracy:>8.1%}  {phase.losses[-1]:>10.4f}  {phase.seconds:>6.2f} s  "
-            f"{phase.first_round_seconds:>7.2f} s  {later * 1e3:>12.1f} ms"
-        )
-    lines.append("(1st round includes tracing and XLA compilation for bridge_mr)")
-    implementations = {phase.implementation for phase in result.phases}
-    if TorchFuncClients.name in implementations:
-        lines.append(
-            "FedSGD losses, bridge_mr vs torch.func (same init, same data): largest per-round "
-            f"difference {fedsgd_loss_gap(result):.1e}"
-        )
-    return "\n".join(lines)

@@ -1,20 +1,23 @@
 """Federated training loops over any client implementation: FedSGD and FedAvg/FedOpt.
 
 The loops are plain torch: the model is an `nn.Module`, a `torch.optim` optimizer updates it, and
-the model and data may live on any device the client implementation supports.
+the model and data may live on any device the client implementation supports. `train` runs
+several implementations side by side, round by round on the same batches, and times each round.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypedDict
 
 import torch
 from torch import nn
 
-from ._data import FederatedDigits, client_batches
+from ._data import FederatedDigits
+from ._machine import OtherProcessesCPU
 from ._model import accuracy
 
 Tensors = Mapping[str, torch.Tensor]
@@ -28,7 +31,7 @@ class LocalUpdate(TypedDict):
 
 
 class Clients(Protocol):
-    """How the clients' work is computed: by bridge_mr (`_clients`) or the torch baseline."""
+    """How the clients' work is computed: by bridge_mr (`_clients`) or a torch baseline."""
 
     name: str
 
@@ -72,109 +75,144 @@ class FedAvgConfig(_RoundsConfig):
 
 @dataclasses.dataclass(frozen=True)
 class PhaseResult:
-    """One training run: per-round losses, final test accuracy and wall-clock times."""
+    """One training run: per-round losses and times, and the final test accuracy.
+
+    `round_seconds[0]` is the first round, which includes whatever the implementation does on
+    its first call (bridge_mr: tracing, XLA compilation, `strategy="auto"`'s measurements).
+    `other_cpu` is the CPU other processes used while the run's rounds were timed, in cores
+    (None where the platform does not tell).
+    """
 
     algorithm: str
     implementation: str
     losses: list[float]
     accuracy: float
-    seconds: float
-    first_round_seconds: float
+    round_seconds: list[float]
+    other_cpu: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        """All rounds together."""
+        return sum(self.round_seconds)
+
+    @property
+    def first_round_seconds(self) -> float:
+        """The first round, first-call costs included."""
+        return self.round_seconds[0]
+
+    @property
+    def later_round_seconds(self) -> float:
+        """The median of the rounds after the first (the first round when there is no other)."""
+        return statistics.median(self.round_seconds[1:] or self.round_seconds)
+
+    @property
+    def rounds_per_second(self) -> float:
+        """Later rounds per second: 1 / `later_round_seconds`."""
+        return 1.0 / self.later_round_seconds
 
 
-class _RoundLog:
-    """Collects per-round losses and timings, and shows them on a progress bar."""
-
-    def __init__(
-        self, rounds: int, algorithm: str, implementation: str, *, show_progress: bool
-    ) -> None:
-        self._algorithm = algorithm
-        self._implementation = implementation
-        self.losses: list[float] = []
-        self.first_round_seconds = float("nan")
-        self._bar = None
-        if show_progress:
-            from tqdm import tqdm
-
-            # disable=None: no bar when stderr is not a terminal.
-            description = f"{algorithm} {implementation}"
-            self._bar = tqdm(total=rounds, desc=description, unit="round", disable=None)
-        self._start = time.perf_counter()
-
-    def record(self, loss: float) -> None:
-        """Logs the loss of the round that just finished."""
-        if not self.losses:
-            self.first_round_seconds = time.perf_counter() - self._start
-        self.losses.append(loss)
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            self._bar.update()
-
-    def finish(self, model: nn.Module, data: FederatedDigits) -> PhaseResult:
-        """Closes the bar; returns the run, timed since the log was created, and its accuracy."""
-        seconds = time.perf_counter() - self._start
-        if self._bar is not None:
-            self._bar.close()
-        return PhaseResult(
-            algorithm=self._algorithm,
-            implementation=self._implementation,
-            losses=self.losses,
-            accuracy=accuracy(model, data.test_x, data.test_y),
-            seconds=seconds,
-            first_round_seconds=self.first_round_seconds,
-        )
+Step = Callable[[Tensors], float]  # Runs one round on its batch; returns the round's loss.
 
 
-def train_fedsgd(
-    model: nn.Module,
-    data: FederatedDigits,
-    clients: Clients,
-    config: FedSGDConfig,
-    *,
-    show_progress: bool = True,
-) -> PhaseResult:
-    """Trains `model` in place with FedSGD; the loss is the clients' mean batch loss."""
+def fedsgd_step(model: nn.Module, clients: Clients, config: FedSGDConfig) -> Step:
+    """One FedSGD round of `model` per call: the clients' mean batch loss steps a server Adam."""
     params = dict(model.named_parameters())
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    log = _RoundLog(config.rounds, "FedSGD", clients.name, show_progress=show_progress)
-    for batch in client_batches(
-        data, rounds=config.rounds, batch_size=config.batch_size, seed=config.seed
-    ):
+
+    def step(batch: Tensors) -> float:
         optimizer.zero_grad()
         loss = clients.mean_loss(params, batch)
         loss.backward()
         optimizer.step()
-        log.record(loss.item())
-    return log.finish(model, data)
+        return loss.item()
+
+    return step
 
 
-def train_fedavg(
-    model: nn.Module,
-    data: FederatedDigits,
-    clients: Clients,
-    config: FedAvgConfig,
-    *,
-    show_progress: bool = True,
-) -> PhaseResult:
-    """Trains `model` in place with FedAvg/FedOpt: the mean client delta is a pseudo-gradient.
+def fedavg_step(model: nn.Module, clients: Clients, config: FedAvgConfig) -> Step:
+    """One FedAvg/FedOpt round of `model` per call: the mean client delta is a pseudo-gradient.
 
     The clients' local training runs under `torch.no_grad()`: nothing flows back through it.
     """
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.server_lr, momentum=config.server_momentum
     )
-    log = _RoundLog(config.rounds, "FedAvg", clients.name, show_progress=show_progress)
-    for batches in client_batches(
-        data,
-        rounds=config.rounds,
-        batch_size=config.batch_size,
-        local_steps=config.local_steps,
-        seed=config.seed,
-    ):
+
+    def step(batches: Tensors) -> float:
         with torch.no_grad():
             update = clients.mean_local_update(dict(model.named_parameters()), batches)
         for name, p in model.named_parameters():
             p.grad = -update["delta"][name]
         optimizer.step()
-        log.record(update["loss"].item())
-    return log.finish(model, data)
+        return update["loss"].item()
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One implementation's training: its model, its name, and its round function."""
+
+    model: nn.Module
+    implementation: str
+    step: Step
+
+
+def train(
+    algorithm: str,
+    runs: Sequence[Run],
+    batches: Iterable[Tensors],
+    data: FederatedDigits,
+    *,
+    rounds: int,
+    show_progress: bool = True,
+) -> list[PhaseResult]:
+    """Trains every run on the same batches, interleaved round by round, timing each round.
+
+    Round r starts with run r mod len(runs), so no implementation always runs first (right
+    after the batch is drawn) or last. A round's time covers its step only, `.item()` of the
+    loss included (which waits for the round's result), not the drawing of the batch.
+
+    Args:
+      algorithm: the name the results carry ("FedSGD", "FedAvg").
+      runs: the implementations' models and round functions.
+      batches: one batch per round, shared by every run.
+      data: for the test accuracy of each model after the last round.
+      rounds: how many batches `batches` yields (the progress bar's length).
+      show_progress: a progress bar (on stderr, when it is a terminal).
+
+    Returns:
+      One result per run, in the order of `runs`.
+    """
+    losses: list[list[float]] = [[] for _ in runs]
+    seconds: list[list[float]] = [[] for _ in runs]
+    bar = None
+    if show_progress:
+        from tqdm import tqdm
+
+        # disable=None: no bar when stderr is not a terminal.
+        bar = tqdm(total=rounds, desc=algorithm, unit="round", disable=None)
+    others = OtherProcessesCPU()
+    for index, batch in enumerate(batches):
+        for offset in range(len(runs)):
+            which = (index + offset) % len(runs)
+            start = time.perf_counter()
+            loss = runs[which].step(batch)
+            seconds[which].append(time.perf_counter() - start)
+            losses[which].append(loss)
+        if bar is not None:
+            bar.update()
+    other_cpu = others.cores()
+    if bar is not None:
+        bar.close()
+    return [
+        PhaseResult(
+            algorithm=algorithm,
+            implementation=run.implementation,
+            losses=losses[i],
+            accuracy=accuracy(run.model, data.test_x, data.test_y),
+            round_seconds=seconds[i],
+            other_cpu=other_cpu,
+        )
+        for i, run in enumerate(runs)
+    ]
