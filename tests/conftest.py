@@ -13,13 +13,15 @@ An `x64`-marked test collected with x64 off is skipped, its reason naming BRIDGE
 test that leaves the process-wide x64 or promotion setting changed fails.
 
 XLA_FLAGS must be set before JAX creates its CPU backend, so this runs at import time of the
-conftest, which pytest loads before any test module.
+conftest, which pytest loads before any test module; so does pointing bridge_mr's cache directory
+(`strategy="auto"`'s decisions) at a temporary directory.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from collections.abc import Iterator
 
 from bridge_mr import recommended_xla_flags
@@ -42,7 +44,14 @@ def _x64_requested() -> bool:
     return value == "1"
 
 
+def _decisions_in_a_temporary_directory() -> None:
+    """`strategy="auto"`'s decisions on disk go to a directory of this session, never the user's
+    cache (`$BRIDGE_MR_CACHE_DIR`; child processes inherit it)."""
+    os.environ["BRIDGE_MR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bridge_mr_test_cache_")
+
+
 _configure_xla_flags()
+_decisions_in_a_temporary_directory()
 _X64 = _x64_requested()
 _X64_COMMAND = "BRIDGE_MR_X64=1 pytest -m x64"
 

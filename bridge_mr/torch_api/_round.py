@@ -1,13 +1,28 @@
 """A `map_reduce` round: what it takes (the client function, reductions, strategies, argument
-names) and its JAX program, which the torch functions of `_map_reduce` and `_processes` run."""
+names) and its JAX program, which the torch functions of `_map_reduce` and `_processes` run.
+
+`trace_client` traces the client function once for one client's shapes (what `auto` reads
+its cost model from); the round then evaluates that trace wherever it meets the function with
+those shapes again (vmap, the loop of per_client, the candidates `auto` times), instead of
+running the Python function again. The traces are kept per function object (weakly), shapes,
+JAX's configuration, placement and torch's grad mode: as `jax.jit` keeps its own, so a call
+reuses one exactly when a `jax.jit` of the same function would; `clear_caches()` drops them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from collections.abc import Callable, Hashable
 from typing import Any, Literal, Protocol, TypeAlias
 
+import jax
+import torch
+from jax.extend import core
 from jax.sharding import AbstractMesh, Mesh
 
-from bridge_mr import jax_core
+from bridge_mr import _caches, jax_core
+from bridge_mr._compat import jax as jax_compat
 
 PyTree: TypeAlias = Any
 Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
@@ -56,7 +71,7 @@ def map_reduce_jax(
       `bridge_mr.jax_core.map_reduce` of the arguments.
     """
     return jax_core.map_reduce(
-        fn,
+        _replaying(fn),
         server,
         clients,
         reduce=reduce,
@@ -66,3 +81,97 @@ def map_reduce_jax(
         strategy=strategy,
         chunk_size=chunk_size,
     )
+
+
+#: Traces kept per client function (its most recent shapes first out).
+_MAX_TRACES_PER_FUNCTION = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientTrace:
+    """The client function traced once, for one server value and one client's slice.
+
+    Attributes:
+      jaxpr: `fn(server, client)` as a closed jaxpr of the flattened (server, client) leaves.
+      out_tree: the structure of `fn`'s result.
+    """
+
+    jaxpr: core.ClosedJaxpr
+    out_tree: Any
+
+
+_TRACES: weakref.WeakKeyDictionary[Callable[..., Any], dict[Hashable, ClientTrace]] = (
+    _caches.register("map_reduce client traces", weakref.WeakKeyDictionary())
+)
+
+
+def trace_client(
+    fn: ClientFn, server: PyTree, client: PyTree, placement: str, n: int
+) -> ClientTrace:
+    """Traces `fn` once for `server` and one client's `client` (shapes: `jax.ShapeDtypeStruct`
+    leaves) under the round's placement, and keeps the trace for the round to evaluate.
+
+    Args:
+      fn: the client function.
+      server: the server value's shapes, as the round passes it to `fn`.
+      client: one client's slice of the clients' shapes.
+      placement: the placement's name.
+      n: the client count.
+
+    Returns:
+      The trace.
+
+    Raises:
+      Whatever tracing `fn` raises.
+    """
+    with jax_core.program(placements={placement: n}):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(server, client)
+        key = _key(jax.tree.structure((server, client)), tuple(closed.in_avals))
+    found = ClientTrace(closed, jax.tree.structure(shape))
+    try:
+        traces = _TRACES.setdefault(fn, {})
+    except TypeError:  # Not weakly referable or not hashable: the round traces it itself.
+        return found
+    traces.pop(key, None)
+    traces[key] = found
+    while len(traces) > _MAX_TRACES_PER_FUNCTION:
+        del traces[next(iter(traces))]
+    return found
+
+
+def _key(tree: Any, avals: tuple[Any, ...]) -> Hashable:
+    return (
+        tree,
+        avals,
+        jax_core.current_placement(),
+        jax_core.ambient_mesh(),
+        jax_compat.trace_context(),
+        torch.is_grad_enabled(),
+    )
+
+
+def _replaying(fn: ClientFn) -> ClientFn:
+    """`fn`, or what evaluates its kept traces where the shapes match one (see the module)."""
+    try:
+        traces = _TRACES.get(fn)
+    except TypeError:
+        return fn
+    return fn if not traces else _Replay(fn, traces)
+
+
+class _Replay:
+    """The client function, evaluated from its kept trace when one matches the call."""
+
+    def __init__(self, fn: ClientFn, traces: dict[Hashable, ClientTrace]) -> None:
+        self._fn = fn
+        self._traces = traces
+
+    def __call__(self, server: PyTree, client: PyTree) -> PyTree:
+        leaves, tree = jax.tree.flatten((server, client))
+        try:
+            found = self._traces.get(_key(tree, tuple(jax.typeof(x) for x in leaves)))
+        except TypeError:  # A leaf JAX has no type for: the function says what it makes of it.
+            found = None
+        if found is None:
+            return self._fn(server, client)
+        return jax.tree.unflatten(found.out_tree, core.jaxpr_as_fun(found.jaxpr)(*leaves))

@@ -293,8 +293,11 @@ def streamed() -> None:
 
 
 def auto_measured() -> None:
-    """A client slow enough that `strategy="auto"` times every candidate: every rank picks the
-    same strategy (the timings are agreed across ranks)."""
+    """`strategy="auto"` timing every candidate (`AUTO_TIMING`, no time box): every rank picks
+    the same strategy (the timings are agreed across ranks)."""
+    from bridge_mr.torch_api import _auto
+
+    _auto.AUTO_TIMING, _auto.AUTO_TIME_BOX, _auto.AUTO_MIN_SECONDS = True, float("inf"), 0.0
 
     def heavy(w: jax.Array, x: jax.Array) -> jax.Array:
         h = x

@@ -1,8 +1,7 @@
-"""map_reduce(strategy=...): forced strategies agree through torch autograd; auto measures once."""
+"""map_reduce(strategy=...): forced strategies agree through torch autograd (auto: test_auto)."""
 
 from __future__ import annotations
 
-import logging
 import textwrap
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from helpers import assert_trees_all_close
 from helpers.child import run_python
 
 import bridge_mr
-from bridge_mr.torch_api import _auto, map_reduce
+from bridge_mr.torch_api import map_reduce
 
 EXPLICIT = [("vmap", None), ("per_client", None), ("chunks", 2), ("chunks", 8)]
 CLOSE = {"rtol": 2e-5, "atol": 2e-6}
@@ -61,122 +60,6 @@ def _grads(fn, reduce, strategy, chunk_size):
 def test_forced_strategies_equal_vmap_through_torch_autograd(fn, reduce, strategy, chunk_size):
     want = _grads(fn, reduce, "vmap", None)
     assert_trees_all_close(_grads(fn, reduce, strategy, chunk_size), want, **CLOSE)
-
-
-def test_auto_measures_once_per_signature_and_reports_it(caplog, monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)  # Try every candidate.
-    bridge_mr.clear_caches()
-    params, clients, _ = _case(n=20)
-    for p in params.values():
-        p.requires_grad_()
-    before = bridge_mr.trace_counts()["map_reduce"]
-    with caplog.at_level(logging.DEBUG, logger="bridge_mr"):
-        losses = [map_reduce(_loss, params, clients) for _ in range(3)]
-    for loss in losses:
-        loss.backward()
-    (choice,) = bridge_mr.map_reduce_choices()
-    # vmap's program (fused value and gradient), and the choice's if another; the other
-    # candidates ran in a program of their own.
-    traces = 1 if choice.strategy == "vmap" else 2
-    assert bridge_mr.trace_counts()["map_reduce"] - before == traces
-    assert "_loss" in choice.signature
-    assert "with gradients" in choice.signature
-    labels = [(c.strategy, c.chunk_size) for c in choice.candidates]
-    assert labels == [("vmap", None), ("per_client", None), ("chunks", 16)]
-    assert all(c.seconds is not None and c.seconds > 0 for c in choice.candidates)
-    # The fastest first call is within AUTO_GIVE_UP of itself: that candidate is timed fully.
-    assert max(c.timed_calls for c in choice.candidates) == _auto.AUTO_REPEATS
-    assert (choice.strategy, choice.chunk_size) in labels
-    # The rule, checked on the recorded medians: another strategy only when clearly faster.
-    seconds = {(c.strategy, c.chunk_size): c.seconds or 0.0 for c in choice.candidates}
-    picked = seconds[choice.strategy, choice.chunk_size]
-    if choice.strategy != "vmap":
-        assert picked < _auto.AUTO_MARGIN * seconds["vmap", None]
-    (record,) = [r for r in caplog.records if "strategy='auto'" in r.getMessage()]
-    assert "picked" in record.getMessage()
-    assert "per_client" in record.getMessage()
-    with torch.no_grad():  # Another signature (no gradients): measured once more.
-        map_reduce(_loss, params, clients)
-    assert len(bridge_mr.map_reduce_choices()) == 2
-    assert "with gradients" not in bridge_mr.map_reduce_choices()[1].signature
-    bridge_mr.clear_caches()
-    assert bridge_mr.map_reduce_choices() == []
-
-
-def test_auto_stops_timing_a_candidate_that_cannot_win(monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)
-    # Every first timed call is "over 0x the fastest": no candidate is timed twice.
-    monkeypatch.setattr(_auto, "AUTO_GIVE_UP", 0.0)
-    bridge_mr.clear_caches()
-    params, clients, _ = _case(n=20)
-    with torch.no_grad():
-        map_reduce(_loss, params, clients)
-    (choice,) = bridge_mr.map_reduce_choices()
-    assert len(choice.candidates) == 3
-    assert all(c.timed_calls == 1 and c.seconds is not None for c in choice.candidates)
-    bridge_mr.clear_caches()
-
-
-def test_auto_keeps_a_fast_vmap_without_trying_the_others():
-    bridge_mr.clear_caches()
-    params, clients, _ = _case(n=20)
-    with torch.no_grad():
-        map_reduce(_loss, params, clients)
-    (choice,) = bridge_mr.map_reduce_choices()
-    vmap, *others = choice.candidates
-    if vmap.seconds is not None and vmap.seconds < _auto.AUTO_MIN_SECONDS:
-        assert choice.strategy == "vmap"
-        assert all(c.seconds is None and "not tried" in c.skipped for c in others)
-    bridge_mr.clear_caches()
-
-
-def test_auto_equals_vmap():
-    want = _grads(_delta, "weighted_mean", "vmap", None)
-    assert_trees_all_close(_grads(_delta, "weighted_mean", "auto", None), want, **CLOSE)
-
-
-def test_a_memory_budget_rules_out_candidates():
-    bridge_mr.clear_caches()
-    params, clients, _ = _case(n=20)
-    with torch.no_grad():
-        map_reduce(_loss, params, clients, memory_budget_bytes=1)
-    (choice,) = bridge_mr.map_reduce_choices()
-    assert choice.memory_budget_bytes == 1
-    assert all(c.seconds is None and c.skipped for c in choice.candidates)
-    assert "memory budget" in choice.reason
-    estimates = {(c.strategy, c.chunk_size): c.memory_bytes for c in choice.candidates}
-    assert all(e is not None and e > 0 for e in estimates.values())
-    least = min(choice.candidates, key=lambda c: c.memory_bytes or 0)
-    assert (choice.strategy, choice.chunk_size) == (least.strategy, least.chunk_size)
-    bridge_mr.clear_caches()
-
-
-def test_auto_does_not_run_a_candidate_needing_many_times_the_leanest_memory(monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_MEMORY_FLOOR", 0)
-    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)
-    bridge_mr.clear_caches()
-    # Each client makes a [512, 512] intermediate: vmap holds 32 of them, chunks of 16 hold 16.
-    outer = lambda s, c: jnp.tanh(c[:, None] * s[None, :]).mean()
-    gen = torch.Generator().manual_seed(5)
-    server, clients = torch.randn(512, generator=gen), torch.randn(32, 512, generator=gen)
-    got = map_reduce(outer, server, clients)
-    (choice,) = bridge_mr.map_reduce_choices()
-    memory = {c.strategy: c.memory_bytes or 0 for c in choice.candidates}
-    assert choice.memory_budget_bytes == _auto.AUTO_MEMORY_FACTOR * memory["per_client"]
-    assert choice.strategy == "per_client"
-    assert [c.strategy for c in choice.candidates if c.seconds is not None] == ["per_client"]
-    assert all("memory budget" in c.skipped for c in choice.candidates if c.seconds is None)
-    assert_trees_all_close(got, map_reduce(outer, server, clients, strategy="vmap"), **CLOSE)
-    bridge_mr.clear_caches()
-
-
-def test_jax_inputs_run_vmap_without_measuring():
-    bridge_mr.clear_caches()
-    params, clients, _ = _case()
-    as_jax = [{k: jnp.asarray(v.numpy()) for k, v in tree.items()} for tree in (params, clients)]
-    out = bridge_mr.map_reduce(_loss, *as_jax)
-    assert_trees_all_close(out, map_reduce(_loss, params, clients, strategy="vmap"))
-    assert bridge_mr.map_reduce_choices() == []
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,159 @@
+"""What `map_reduce(strategy="auto")` reports: its `Candidate`s and `Choice`s, in words and
+as the JSON records kept on disk (`_decisions`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+import jax
+import torch
+
+from ._cost import Cost
+from ._round import Measured, PyTree
+
+Plan = tuple[Measured, int | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One strategy `auto` considered for a signature, with what it found.
+
+    Attributes:
+      strategy: "vmap", "per_client" or "chunks".
+      chunk_size: the chunk size for "chunks", else None.
+      memory_bytes: the estimated peak memory of the call's program (arguments, outputs and
+        intermediates, with the backward pass when gradients are needed), read from its jaxpr
+        without compiling it, or None where it could not be traced.
+      seconds: the median of the timed calls, or None when it was not timed (the default:
+        only with `AUTO_TIMING` are candidates timed).
+      skipped: why it was not picked without timing, or not timed ("" for the one picked, or
+        timed).
+      timed_calls: how many calls were timed (`AUTO_TIMING`): `AUTO_REPEATS`, fewer when the
+        first took over `AUTO_GIVE_UP` times the fastest candidate's first, or 0.
+      flops: the floating-point operations of its matrix products and convolutions, by the
+        cost model (None where it could not be traced).
+    """
+
+    strategy: Measured
+    chunk_size: int | None
+    memory_bytes: int | None
+    seconds: float | None
+    skipped: str = ""
+    timed_calls: int = 0
+    flops: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `map_reduce(strategy="auto")` picked for one signature, and why.
+
+    Attributes:
+      signature: the call it was made for, in words (function, shapes, dtypes, reduction).
+      strategy: the strategy picked.
+      chunk_size: its chunk size ("chunks"), else None.
+      reason: why it was picked.
+      candidates: every candidate considered, vmap first.
+      memory_budget_bytes: the budget the candidates' memory estimates were held to.
+      measure_seconds: the wall time deciding took (the client's trace and the cost model;
+        with `AUTO_TIMING`, the timed calls and their compilations).
+      from_disk: the decision was read from the decisions on disk (made by an earlier
+        process), not made again.
+    """
+
+    signature: str
+    strategy: Measured
+    chunk_size: int | None
+    reason: str
+    candidates: tuple[Candidate, ...]
+    memory_budget_bytes: int
+    measure_seconds: float
+    from_disk: bool = False
+
+
+def candidates(
+    plans: list[Plan],
+    costs: dict[Plan, Cost | None],
+    skipped: dict[Plan, str],
+    times: dict[Plan, list[float]],
+) -> tuple[Candidate, ...]:
+    found = []
+    for plan in plans:
+        c, timed = costs[plan], times.get(plan, [])
+        found.append(
+            Candidate(
+                plan[0],
+                plan[1],
+                None if c is None else c.peak_bytes,
+                statistics.median(timed) if timed else None,
+                skipped.get(plan, ""),
+                len(timed),
+                None if c is None else c.flops,
+            )
+        )
+    return tuple(found)
+
+
+def record(choice: Choice) -> dict[str, Any]:
+    """`choice` as the JSON kept on disk."""
+    return {
+        "strategy": choice.strategy,
+        "chunk_size": choice.chunk_size,
+        "reason": choice.reason,
+        "memory_budget_bytes": choice.memory_budget_bytes,
+        "candidates": [dataclasses.asdict(c) for c in choice.candidates],
+    }
+
+
+def from_record(record: dict[str, Any], signature: str) -> Choice | None:
+    """The choice kept on disk, or None when the record is not a valid one."""
+    try:
+        candidates = tuple(Candidate(**c) for c in record["candidates"])
+        choice = Choice(
+            signature,
+            record["strategy"],
+            record["chunk_size"],
+            str(record["reason"]),
+            candidates,
+            int(record["memory_budget_bytes"]),
+            0.0,
+            from_disk=True,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    plans = {(c.strategy, c.chunk_size) for c in candidates}
+    if (choice.strategy, choice.chunk_size) not in plans or choice.strategy not in (
+        "vmap",
+        "per_client",
+        "chunks",
+    ):
+        return None
+    return choice
+
+
+def describe(fn: Any, server: PyTree, clients: PyTree, reduce: str, grads: bool) -> str:
+    def shapes(tree: PyTree) -> str:
+        return ", ".join(
+            f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            for t in jax.tree.leaves(tree)
+            if isinstance(t, torch.Tensor)
+        )
+
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return (
+        f"map_reduce({name}, server=[{shapes(server)}], clients=[{shapes(clients)}], "
+        f"reduce={reduce!r}{', with gradients' if grads else ''})"
+    )
+
+
+def label(strategy: str, chunk_size: int | None) -> str:
+    return f"chunks of {chunk_size}" if strategy == "chunks" else strategy
+
+
+def candidate_text(candidate: Candidate) -> str:
+    memory = "?" if candidate.memory_bytes is None else f"{candidate.memory_bytes / 2**20:.1f} MiB"
+    flops = "?" if candidate.flops is None else f"{candidate.flops:.3g} flops"
+    timing = "" if candidate.seconds is None else f", {candidate.seconds * 1e3:.2f} ms"
+    skipped = f" ({candidate.skipped})" if candidate.skipped else ""
+    return f"{label(candidate.strategy, candidate.chunk_size)}: {memory}, {flops}{timing}{skipped}"

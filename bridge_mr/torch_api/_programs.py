@@ -1,0 +1,181 @@
+"""What `auto` reads from a call without running it (shapes, the cost model's reading of each
+candidate's program, what a decision depends on), and how it runs one when timing."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import AbstractMesh, Mesh
+
+from bridge_mr import distributed, jax_core
+from bridge_mr.dlpack import tensor_avals
+
+from ._choice import Plan
+from ._cost import Cost, cost
+from ._round import PyTree
+
+
+def backward(out: PyTree, grads: Sequence[torch.Tensor]) -> None:
+    """The backward pass the caller would run, without touching any `.grad`."""
+    if not grads:
+        return
+    outputs = [o for o in jax.tree.leaves(out) if o.requires_grad]
+    if outputs:
+        torch.autograd.grad(
+            outputs, list(grads), [torch.ones_like(o) for o in outputs], allow_unused=True
+        )
+
+
+def timed(call: Callable[[], None], cuda: torch.device | None) -> float:
+    """Seconds one `call` takes (synchronising `cuda`, if any, before and after)."""
+    if cuda is not None:
+        torch.cuda.synchronize(cuda)
+    start = time.perf_counter()
+    call()
+    if cuda is not None:
+        torch.cuda.synchronize(cuda)
+    return time.perf_counter() - start
+
+
+def specs(args: tuple[Any, ...], across_processes: bool) -> tuple[PyTree, PyTree, PyTree]:
+    """The round's (server, clients, weights) as `jax.ShapeDtypeStruct`s (global and sharded
+    over the layout across processes); other leaves as they are.
+
+    Raises:
+      TypeError: a tensor JAX cannot take (the call raises it again, naming the leaf).
+    """
+    _, server, clients, weights, _, placement, mesh = args
+    layout = mesh if across_processes and isinstance(mesh, distributed.Layout) else None
+
+    def as_spec(path: Any, leaf: Any, arg: str, per_rank: bool) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        where = f"map_reduce: argument {arg}{jax.tree_util.keystr(path)}"
+        ((shape, dtype),) = tensor_avals([leaf], [where])
+        if layout is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        spec = jax.sharding.PartitionSpec(placement) if per_rank else jax.sharding.PartitionSpec()
+        return jax.ShapeDtypeStruct(
+            layout.global_shape(shape) if per_rank else shape,
+            dtype,
+            sharding=jax.sharding.NamedSharding(layout.mesh, spec),
+        )
+
+    server_spec, clients_spec, weights_spec = (
+        jax.tree_util.tree_map_with_path(
+            lambda path, leaf, arg=arg: as_spec(path, leaf, arg, arg != "server"), tree
+        )
+        for arg, tree in (("server", server), ("clients", clients), ("weights", weights))
+    )
+    return server_spec, clients_spec, weights_spec
+
+
+def one_client(specs: tuple[PyTree, PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+    """The server value and one client's slice, as the round hands them to the client function."""
+    server, clients, _ = specs
+
+    def unsharded(leaf: Any, rows: bool) -> Any:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape[1:] if rows else leaf.shape, leaf.dtype)
+        return leaf[0] if rows else jnp.asarray(leaf)
+
+    return (
+        jax.tree.map(lambda leaf: unsharded(leaf, False), server),
+        jax.tree.map(lambda leaf: unsharded(leaf, True), clients),
+    )
+
+
+def round_cost(
+    program: Callable[..., PyTree],
+    args: tuple[Any, ...],
+    specs: tuple[PyTree, ...],
+    plan: Plan,
+    grads: bool,
+) -> Cost | None:
+    """The cost model's reading of a candidate's program (None where it does not trace)."""
+    fn, _, _, _, reduce, placement, mesh = args
+
+    def forward(server: PyTree, clients: PyTree, weights: PyTree) -> PyTree:
+        return program(fn, server, clients, weights, reduce, placement, mesh, *plan)
+
+    def with_grads(server: PyTree, clients: PyTree, weights: PyTree) -> PyTree:
+        def total(*inputs: PyTree) -> jax.Array:
+            floats = [
+                o for o in jax.tree.leaves(forward(*inputs)) if jnp.issubdtype(o.dtype, jnp.inexact)
+            ]
+            return sum((jnp.sum(o).real.astype(jnp.float32) for o in floats), jnp.float32(0))
+
+        return jax.value_and_grad(total, argnums=(0, 1, 2), allow_int=True)(
+            server, clients, weights
+        )
+
+    try:
+        return cost(jax.make_jaxpr(with_grads if grads else forward)(*specs))
+    except Exception:  # Bad arguments: the call raises again, with the bridge's message.
+        return None
+
+
+def fingerprint(
+    jaxpr: Any,
+    args: tuple[Any, ...],
+    specs: tuple[PyTree, ...],
+    tensors: Sequence[torch.Tensor],
+    budget: int | None,
+    constants: Sequence[Any],
+) -> dict[str, Any]:
+    """Everything a decision depends on (`constants`: auto's tuning), for its name on disk."""
+    _, _, _, _, reduce, placement, mesh = args
+    device = tensors[0].device
+    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {
+        "jaxpr": hashlib.sha256(str(jaxpr).encode()).hexdigest(),
+        "round": [reduce, placement, repr(mesh), jax.tree.map(repr, specs)],
+        "grads": [torch.is_grad_enabled() and t.requires_grad for t in tensors],
+        "budget": budget,
+        "device": [kind, jax.devices()[0].device_kind, os.cpu_count()],
+        "versions": [_version(p) for p in ("jax", "jaxlib", "torch", "bridge_mr")],
+        "config": [getattr(jax.config, n) for n in ("jax_enable_x64", "jax_numpy_dtype_promotion")],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "constants": list(constants),
+    }
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def default_budget(device: torch.device) -> int:
+    """Half the device's memory limit (CUDA), or half the host's physical memory (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 2
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def client_count(clients: PyTree) -> int:
+    """The clients' leading dimension (0 when there is none: the vmap call then says why)."""
+    try:
+        return int(
+            jax_core.client_count(clients, array_types=(torch.Tensor, jax.Array, np.ndarray))
+        )
+    except (TypeError, ValueError):
+        return 0
+
+
+def explicit_placement(placement: str, mesh: Mesh | AbstractMesh | None) -> bool:
+    """Whether the call's mesh has `placement` as an Explicit axis."""
+    mesh = jax_core.ambient_mesh() if mesh is None else mesh
+    if mesh is None or placement not in mesh.axis_names:
+        return False
+    return mesh.axis_types[mesh.axis_names.index(placement)] == jax.sharding.AxisType.Explicit
