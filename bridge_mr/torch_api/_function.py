@@ -232,7 +232,25 @@ class TorchFunction:
     ) -> tuple[Entry, list[torch.Tensor]] | None:
         """The entry of a call's signature (traced on a miss) and the call's tensors, in order.
 
-        None for a call with no tensor of a `passthrough_jax` function (a plain JAX call).
+        What a call runs; `map_reduce` keeps the entry for its own cached calls.
+
+        Args:
+          args: the call's positional arguments.
+          kwargs: its keyword arguments.
+
+        Returns:
+          The signature's `Entry` and the call's tensor leaves in flattening order, or None for
+          a call with no tensor of a `passthrough_jax` function (a plain JAX call).
+
+        Raises:
+          TypeError: the arguments cannot be flattened, or a static leaf is not hashable, or a
+            tensor cannot be passed to JAX (the message names it).
+
+        Example:
+          >>> f = bridge_mr.torch_function(lambda x: jnp.sin(x).sum())
+          >>> entry, tensors = f.lookup((torch.ones(3),), {})  # traces this signature
+          >>> f.trace_count, len(tensors), entry.traced.outputs.n_out
+          (1, 1, 1)
         """
         try:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -253,7 +271,20 @@ class TorchFunction:
         return entry, tensors
 
     def remember(self, key: Any, entry: Entry, *, by_identity: bool) -> None:
-        """Keeps `entry` in `hits` under `key` (a function keyed `by_identity`: more tightly)."""
+        """Keeps `entry` in `hits` under a caller's own `key`, within the entries' bounds.
+
+        Args:
+          key: the caller's key for calls that run `entry` (hashable).
+          entry: what such calls run (from `lookup`).
+          by_identity: whether the key holds a function by identity (bounded more tightly).
+
+        Example:
+          >>> f = bridge_mr.torch_function(lambda x: jnp.sin(x).sum())
+          >>> entry, _ = f.lookup((torch.ones(3),), {})
+          >>> f.remember(("ones", 3), entry, by_identity=False)
+          >>> f.hits[("ones", 3)] is entry
+          True
+        """
         with self._lock:
             if by_identity:
                 self._identity_hits.append(key)
