@@ -17,6 +17,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Literal, Protocol, TypeAlias
 
 import jax
+import jax.numpy as jnp
 import torch
 from jax.extend import core
 from jax.sharding import AbstractMesh, Mesh
@@ -174,4 +175,10 @@ class _Replay:
             found = None
         if found is None:
             return self._fn(server, client)
-        return jax.tree.unflatten(found.out_tree, core.jaxpr_as_fun(found.jaxpr)(*leaves))
+        outs = core.jaxpr_as_fun(found.jaxpr)(*leaves)
+        # A constant output comes back as the jaxpr's literal: an array, as `fn` returned it.
+        outs = [
+            o if isinstance(o, jax.Array) else jnp.asarray(o, aval.dtype)
+            for o, aval in zip(outs, found.jaxpr.out_avals, strict=True)
+        ]
+        return jax.tree.unflatten(found.out_tree, outs)
