@@ -35,10 +35,12 @@ from . import (  # noqa: E402
     cases_models,
     cases_overhead,
     cases_processes,
+    cases_users_path,
     harness,
     report,
     workloads,
 )
+from .workloads import users  # noqa: E402
 
 CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "boundary": cases_boundary.run,
@@ -53,6 +55,7 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "processes": cases_processes.run,
     "diloco": cases_diloco.run,
     "beam": cases_beam.run,
+    "users_path": cases_users_path.run,
 }
 
 
@@ -78,7 +81,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="peak-RSS child processes: the rows each case picks (auto), all rows, or none",
     )
     parser.add_argument(
-        "--models", nargs="+", choices=list(workloads.MODELS), help="federated cases: models"
+        "--models",
+        nargs="+",
+        choices=list(dict.fromkeys(workloads.MODELS + users.MODELS)),
+        help=f"federated cases: models; users_path: of {', '.join(users.MODELS)}",
     )
     parser.add_argument(
         "--clients", nargs="+", type=int, metavar="N", help="federated cases: client counts"
@@ -86,10 +92,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--alternatives",
         nargs="+",
-        choices=list(dict.fromkeys(workloads.ALTERNATIVES + workloads.round_alternatives())),
+        choices=list(
+            dict.fromkeys(
+                workloads.ALTERNATIVES
+                + workloads.round_alternatives()
+                + cases_users_path.DEFAULT_ALTERNATIVES
+            )
+        ),
         metavar="NAME",
         help=f"federated cases: alternatives (default: {', '.join(workloads.ALTERNATIVES)}); "
-        f"cnn and lm: of {', '.join(workloads.round_alternatives())} (default: all)",
+        f"cnn and lm: of {', '.join(workloads.round_alternatives())} (default: all); "
+        f"users_path: of {', '.join(cases_users_path.DEFAULT_ALTERNATIVES)} and "
+        "bridge_mr:STRATEGY (default: those)",
     )
     parser.add_argument("--no-xla", action="store_true", help="skip the torch-xla rows")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

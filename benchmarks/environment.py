@@ -116,13 +116,18 @@ class LoadMeter:
         self._busy = _busy_cpu_seconds()
         self._own = _own_cpu_seconds()
 
-    def read(self) -> dict[str, float | None]:
-        """Wall seconds since creation and the average number of CPUs other processes used."""
+    def read(self, also_own_s: float = 0.0) -> dict[str, float | None]:
+        """Wall seconds since creation and the average number of CPUs other processes used.
+
+        `also_own_s`: CPU seconds of a process of ours that is still running (a worker serving
+        rounds), which the busy time also leaves out.
+        """
         wall = time.perf_counter() - self._wall
         busy = _busy_cpu_seconds()
         other = None
         if busy is not None and self._busy is not None and wall > 0:
-            other = max(0.0, (busy - self._busy) - (_own_cpu_seconds() - self._own)) / wall
+            own = _own_cpu_seconds() - self._own + also_own_s
+            other = max(0.0, (busy - self._busy) - own) / wall
         return {"wall_s": wall, "other_cpus_busy": other}
 
 

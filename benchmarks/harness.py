@@ -306,6 +306,13 @@ def each(
 _LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
+def fresh_process(python: str, module: str, *args: str) -> list[str]:
+    """The command that runs `python -m module *args` in a fresh process whose peak RSS is its
+    own: Linux keeps ru_maxrss across fork and exec, so the child is started by a small launcher
+    process, whose own small peak is all it inherits (see `peak_rss`)."""
+    return [python, "-c", _LAUNCHER, python, "-m", module, *args]
+
+
 def peak_rss(spec: Mapping[str, Any], *, calls: int, timeout_s: float = 600.0) -> dict[str, Any]:
     """Peak resident memory of a fresh Python process that builds and runs one workload.
 
@@ -321,15 +328,9 @@ def peak_rss(spec: Mapping[str, Any], *, calls: int, timeout_s: float = 600.0) -
       {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} (plus "child_failed" if the child
       printed them but then exited with an error), or {"error": ...}.
     """
-    command = [
-        sys.executable,
-        "-c",
-        _LAUNCHER,
-        sys.executable,
-        "-m",
-        "benchmarks._child",
-        json.dumps({**spec, "calls": calls}),
-    ]
+    command = fresh_process(
+        sys.executable, "benchmarks._child", json.dumps({**spec, "calls": calls})
+    )
     try:
         done = subprocess.run(
             command,
