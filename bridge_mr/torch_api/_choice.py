@@ -24,8 +24,9 @@ class Candidate:
       strategy: "vmap", "per_client" or "chunks".
       chunk_size: the chunk size for "chunks", else None.
       memory_bytes: the estimated peak memory of the call's program (arguments, outputs and
-        intermediates, with the backward pass when gradients are needed), read from its jaxpr
-        without compiling it, or None where it could not be traced.
+        intermediates, each freed after its last use), read from its forward jaxpr without
+        compiling it (with gradients: scaled for the backward pass, see `_programs.round_cost`),
+        or None where it could not be traced.
       seconds: the median of the timed calls, or None when it was not timed (the default:
         only with `AUTO_TIMING` are candidates timed).
       skipped: why it was not picked without timing, or not timed ("" for the one picked, or
@@ -33,7 +34,8 @@ class Candidate:
       timed_calls: how many calls were timed (`AUTO_TIMING`): `AUTO_REPEATS`, fewer when the
         first took over `AUTO_GIVE_UP` times the fastest candidate's first, or 0.
       flops: the floating-point operations of its matrix products and convolutions, by the
-        cost model (None where it could not be traced).
+        cost model (with gradients: about 3x the forward's, 4x for per_client), or None where
+        it could not be traced.
     """
 
     strategy: Measured

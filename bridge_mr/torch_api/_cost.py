@@ -5,7 +5,8 @@ trip count), and returns a `Cost`: the floating-point work of its matrix product
 convolutions, a peak of live bytes (each value freed after its last use, as a buffer
 assignment would), the largest group count of its convolutions (vmap over per-client weights
 turns a convolution into a grouped one, clients x channels), and whether it has a loop whose
-trip count the jaxpr does not tell (a while loop).
+trip count the jaxpr does not tell (a while loop); and the bytes of every value it computes (an
+upper bound of what a backward pass of it would keep).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ class Cost:
       conv_groups: the largest `feature_group_count * batch_group_count` of its convolutions
         (1 when it has none, or none grouped).
       while_loops: how many while loops it runs (their trip counts are not known).
+      computed_bytes: the bytes of every value it computes, loop bodies once per iteration.
     """
 
     flops: float
     peak_bytes: int
     conv_groups: int
     while_loops: int
+    computed_bytes: int
 
 
 def cost(closed: core.ClosedJaxpr) -> Cost:
@@ -57,7 +60,7 @@ def cost(closed: core.ClosedJaxpr) -> Cost:
     walk = _Walk()
     args = sum(_bytes(v.aval) for v in (*closed.jaxpr.constvars, *closed.jaxpr.invars))
     extra = walk.peak(closed.jaxpr, 1.0)
-    return Cost(walk.flops, args + extra, walk.groups, walk.whiles)
+    return Cost(walk.flops, args + extra, walk.groups, walk.whiles, int(walk.computed))
 
 
 class _Walk:
@@ -65,6 +68,7 @@ class _Walk:
 
     def __init__(self) -> None:
         self.flops = 0.0
+        self.computed = 0.0
         self.groups = 1
         self.whiles = 0
 
@@ -81,6 +85,7 @@ class _Walk:
         held: dict[Any, int] = {}
         for i, eqn in enumerate(jaxpr.eqns):
             made = sum(_bytes(v.aval) for v in eqn.outvars)
+            self.computed += times * made
             top = max(top, live + made + self._inner(eqn, times))
             self._count(eqn, times)
             for v in eqn.outvars:
