@@ -207,7 +207,9 @@ def _decide(
     n = _programs.client_count(clients)
     try:
         specs = _programs.specs(args, round_.across_processes)
-        client = trace_client(fn, *_programs.one_client(specs), placement, n)
+        # Across processes the round's placement is the global client count (the specs').
+        rows = jax.tree.leaves(specs[1])[0].shape[0] if round_.across_processes else n
+        client = trace_client(fn, *_programs.one_client(specs), placement, rows)
     except Exception:  # The call raises again, with the bridge's message.
         return None
     disk = None
