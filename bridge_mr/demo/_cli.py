@@ -61,6 +61,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="data split, init and batches")
     parser.add_argument(
+        "--torch-threads",
+        type=_at_least(1),
+        default=DemoConfig.torch_threads,
+        help=f"torch's intra-op threads during the runs (default: {DemoConfig.torch_threads})",
+    )
+    parser.add_argument(
         "--no-baseline",
         action="store_true",
         help="skip the pure-torch baselines (torch.func and the torch loop)",
@@ -76,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> DemoResult:
 
     Args:
       argv: the command-line arguments (default: `sys.argv[1:]`): --quick, --rounds N,
-        --clients N, --seed S, --no-baseline.
+        --clients N, --seed S, --torch-threads N, --no-baseline.
 
     Returns:
       Every training run, as `run_demo` returns them.
@@ -85,7 +91,11 @@ def main(argv: Sequence[str] | None = None) -> DemoResult:
     os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DemoConfig.rounds)
     config = DemoConfig(
-        clients=args.clients, rounds=rounds, seed=args.seed, baseline=not args.no_baseline
+        clients=args.clients,
+        rounds=rounds,
+        seed=args.seed,
+        baseline=not args.no_baseline,
+        torch_threads=args.torch_threads,
     )
     print(
         f"bridge_mr demo: federated learning on digits (XLA_FLAGS={os.environ['XLA_FLAGS']})",

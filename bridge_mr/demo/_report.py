@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from ._train import PhaseResult
 
 OURS = "bridge_mr"
+BUSY_CORES = 0.25  # Other processes' mean CPU use above which the report calls timings noisy.
 
 
 def duration(seconds: float) -> str:
@@ -141,12 +142,19 @@ def format_speed(phases: Sequence[PhaseResult]) -> str:
 
 
 def format_load(phases: Sequence[PhaseResult]) -> str:
-    """The other processes' CPU use while each algorithm's rounds were timed."""
+    """The other processes' CPU use while each algorithm's rounds were timed, and what it means."""
     per_algorithm = {p.algorithm: p.other_cpu for p in phases}
-    if any(cpu is None for cpu in per_algorithm.values()):
+    known = [cpu for cpu in per_algorithm.values() if cpu is not None]
+    if len(known) < len(per_algorithm):
         return "other processes' CPU use: unknown on this platform (timings may be noisy)"
     used = ", ".join(f"{name} {cpu:.2f}" for name, cpu in per_algorithm.items())
-    return (
+    line = (
         f"other processes' CPU use while the rounds were timed, in cores of {os.cpu_count()}: "
-        f"{used} (above a few tenths, the times above are noisy)"
+        f"{used}"
+    )
+    if max(known) < BUSY_CORES:
+        return f"{line} (quiet)"
+    return (
+        f"{line}: the machine was busy, so these times are not a quiet machine's (torch's "
+        "intra-op threads suffer most when cores are taken); rerun when it is idle"
     )

@@ -40,12 +40,15 @@ LOCAL_LR = 0.3
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """What to run: the number of clients, rounds per algorithm, the seed, the baselines."""
+    """What to run: clients, rounds per algorithm, the seed, the baselines, torch's threads."""
 
     clients: int = 64
     rounds: int = 60
     seed: int = 0
     baseline: bool = True
+    # One torch thread by default: with two on a 2-core machine that other processes kept busy,
+    # the torch baselines' rounds took 10-25x as long as with one (README, "Demo").
+    torch_threads: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,22 +97,64 @@ def run_demo(
       Every training run (FedSGD, then FedAvg; bridge_mr, then the baselines) and the time.
 
     Raises:
-      ValueError: `config.rounds` is below 2 (a first round and a later one), or
-        `config.clients` is not between 1 and 718 (two non-empty shards each).
+      ValueError: `config.rounds` is below 2 (a first round and a later one),
+        `config.torch_threads` below 1, or `config.clients` not between 1 and 718 (two
+        non-empty shards each).
     """
     if config.rounds < 2:
         raise ValueError(
             "rounds must be at least 2 (the first round, which includes bridge_mr's "
             f"compilation, and later rounds to compare); got {config.rounds}."
         )
+    if config.torch_threads < 1:
+        raise ValueError(
+            f"torch_threads must be at least 1 (torch's intra-op threads); got "
+            f"{config.torch_threads}. Pass torch_threads=1, or the number of cores."
+        )
     start = time.perf_counter()
     data = load_federated_digits(config.clients, seed=config.seed)
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(config.torch_threads)
+    try:
+        phases = _train_all(config, data, default_threads, show_progress, echo)
+    finally:
+        torch.set_num_threads(default_threads)
+    result = DemoResult(phases=phases, seconds=time.perf_counter() - start)
+    echo("")
+    echo(result.table())
+    echo(
+        "1st round: bridge_mr traces the torch loss into JAX, compiles the round with XLA and "
+        'times strategy="auto"\'s candidates; the torch baselines compile nothing (their first '
+        "round is PyTorch's own warm-up)."
+    )
+    if config.baseline:
+        echo(
+            "same init, same batches: largest per-round FedSGD loss difference from bridge_mr: "
+            + ", ".join(
+                f"{name} {loss_gap(result, 'FedSGD', name):.1e}"
+                for name in (TorchFuncClients.name, TorchLoopClients.name)
+            )
+        )
+        echo("")
+        echo(result.speed_summary())
+    echo(format_load(phases))
+    return result
+
+
+def _train_all(
+    config: DemoConfig,
+    data: FederatedDigits,
+    default_threads: int,
+    show_progress: bool,
+    echo: Callable[[str], None],
+) -> list[PhaseResult]:
+    """Describes the runs, then trains FedSGD, then FedAvg, every implementation side by side."""
     torch.manual_seed(config.seed)
     initial = MLP()
     batch_size = min(32, data.per_client)
     fedsgd = FedSGDConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     fedavg = FedAvgConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
-    _describe(config, data, initial, fedsgd, fedavg, echo)
+    _describe(config, data, initial, fedsgd, fedavg, default_threads, echo)
 
     implementations: list[Callable[[torch.nn.Module], Clients]] = [
         lambda model: BridgeClients(model, local_lr=LOCAL_LR)
@@ -144,26 +189,7 @@ def run_demo(
                 f"later rounds {duration(r.later_round_seconds)} (median)"
             )
         phases += results
-    result = DemoResult(phases=phases, seconds=time.perf_counter() - start)
-    echo("")
-    echo(result.table())
-    echo(
-        "1st round: bridge_mr traces the torch loss into JAX, compiles the round with XLA and "
-        'times strategy="auto"\'s candidates; the torch baselines compile nothing (their first '
-        "round is PyTorch's own warm-up)."
-    )
-    if config.baseline:
-        echo(
-            "same init, same batches: largest per-round FedSGD loss difference from bridge_mr: "
-            + ", ".join(
-                f"{name} {loss_gap(result, 'FedSGD', name):.1e}"
-                for name in (TorchFuncClients.name, TorchLoopClients.name)
-            )
-        )
-        echo("")
-        echo(result.speed_summary())
-    echo(format_load(phases))
-    return result
+    return phases
 
 
 def _describe(
@@ -172,6 +198,7 @@ def _describe(
     model: torch.nn.Module,
     fedsgd: FedSGDConfig,
     fedavg: FedAvgConfig,
+    default_threads: int,
     echo: Callable[[str], None],
 ) -> None:
     """Prints the data, the model, the two algorithms and the implementations."""
@@ -187,7 +214,8 @@ def _describe(
     echo(
         f"model: MLP 64-64-10 ({n_params:,} parameters), written once in torch; "
         f"torch {torch.__version__}, jax {jax.__version__}, {jax.devices()[0].platform} "
-        f"({platform.machine()}), {torch.get_num_threads()} torch threads"
+        f"({platform.machine()}), {torch.get_num_threads()} torch thread(s) (this process's "
+        f"before the demo: {default_threads}; --torch-threads)"
     )
     echo(
         f"FedSGD: {fedsgd.rounds} rounds; each client's loss on {fedsgd.batch_size} examples, "

@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from helpers.child import run_python
 
 import bridge_mr
@@ -100,20 +101,31 @@ def _check_report(result: DemoResult, out: str) -> None:
     slower = re.search(r"^where bridge_mr is slower in this run: (.*)$", out, re.MULTILINE)
     assert slower is not None, out
     assert slower[1] == result.speed_summary().splitlines()[-1].split(": ", 1)[1]
+    first = sum(c.first_extra_seconds > 0 for c in result.comparisons())
+    if first:
+        assert slower[1].startswith(f"its first round, in {first} of 4 comparisons ("), slower[1]
     for c in result.comparisons():
         named = f"{c.ours.algorithm}'s later rounds against {c.theirs.implementation}"
         assert (named in slower[1]) == (c.later_ratio > 1), slower[1]
-    load = re.search(r"in cores of \d+: FedSGD ([\d.]+), FedAvg ([\d.]+)", out)
+    load = re.search(r"in cores of \d+: FedSGD ([\d.]+), FedAvg ([\d.]+)(.*)$", out, re.MULTILINE)
     assert load is not None, out
-    assert float(load[1]) >= 0
-    assert float(load[2]) >= 0
+    others = [result.phase(a, "bridge_mr").other_cpu for a in ALGORITHMS]
+    assert all(cpu is not None and cpu >= 0 for cpu in others), others  # Linux: /proc/stat
+    assert [float(load[1]), float(load[2])] == [round(cpu or 0, 2) for cpu in others]
+    if max(cpu or 0 for cpu in others) >= 0.25:
+        assert load[3].startswith(": the machine was busy, so these times are not"), load[0]
+    else:
+        assert load[3] == " (quiet)", load[0]
 
 
 def test_quick_demo_trains_both_algorithms_like_the_baselines(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    threads = torch.get_num_threads()
     result = main(["--quick"])
     out = capsys.readouterr().out
+    assert torch.get_num_threads() == threads  # The demo's one thread is restored afterwards.
+    assert f"1 torch thread(s) (this process's before the demo: {threads};" in out
     assert f"(XLA_FLAGS={os.environ['XLA_FLAGS']})" in out
     assert os.environ["XLA_FLAGS"] == bridge_mr.recommended_xla_flags()
     # 64 label-skewed shards of the digits' 1437 training examples, 360 held out.
@@ -198,7 +210,14 @@ def test_a_single_round_is_refused() -> None:
         run_demo(DemoConfig(rounds=1), show_progress=False)
 
 
-@pytest.mark.parametrize(("flag", "least"), [("--rounds", 2), ("--clients", 1)])
+def test_no_torch_threads_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"torch_threads must be at least 1 .*; got 0"):
+        run_demo(DemoConfig(torch_threads=0), show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("flag", "least"), [("--rounds", 2), ("--clients", 1), ("--torch-threads", 1)]
+)
 def test_command_line_refuses_too_small_counts(
     capsys: pytest.CaptureFixture[str], flag: str, least: int
 ) -> None:
