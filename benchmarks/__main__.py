@@ -83,7 +83,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         nargs="+",
-        choices=list(dict.fromkeys(workloads.MODELS + users.MODELS)),
+        choices=list(dict.fromkeys([*workloads.MODELS, *users.MODELS])),
         help=f"federated cases: models; users_path: of {', '.join(users.MODELS)}",
     )
     parser.add_argument(
