@@ -4,16 +4,18 @@ names) and its JAX program, which the torch functions of `_map_reduce` and `_pro
 `trace_client` traces the client function once for one client's shapes (what `auto` reads
 its cost model from); the round then evaluates that trace wherever it meets the function with
 those shapes again (vmap, the loop of per_client, the candidates `auto` times), instead of
-running the Python function again. The traces are kept per function object (weakly), shapes,
-JAX's configuration, placement and torch's grad mode: as `jax.jit` keeps its own, so a call
-reuses one exactly when a `jax.jit` of the same function would; `clear_caches()` drops them.
+running the Python function again. The traces are kept per function key
+(`_static.static_key`: by value, or by identity and weakly), shapes, JAX's configuration,
+placement and torch's grad mode: a call replays one exactly where the compile cache would
+reuse a program of the function, so a function whose globals or captured values were rebound
+is traced again; `clear_caches()` drops them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any, Literal, Protocol, TypeAlias
 
 import jax
@@ -24,6 +26,8 @@ from jax.sharding import AbstractMesh, Mesh
 
 from bridge_mr import _caches, jax_core
 from bridge_mr._compat import jax as jax_compat
+
+from ._static import FunctionIdentity, static_key
 
 PyTree: TypeAlias = Any
 Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
@@ -101,9 +105,44 @@ class ClientTrace:
     out_tree: Any
 
 
-_TRACES: weakref.WeakKeyDictionary[Callable[..., Any], dict[Hashable, ClientTrace]] = (
-    _caches.register("map_reduce client traces", weakref.WeakKeyDictionary())
-)
+# The traces of each client function, by the function's compile-cache key
+# (`_static.static_key`), so a trace is replayed exactly where the compile cache would reuse a
+# program of the function: by value (a re-created lambda over the same values replays it; one
+# whose globals or captures were rebound has another key), or by identity, weakly.
+_BY_VALUE: dict[Hashable, dict[Hashable, ClientTrace]]
+_BY_VALUE = _caches.register("map_reduce client traces by value", {})
+_BY_IDENTITY: dict[int, tuple[weakref.ref[Any], dict[Hashable, ClientTrace]]]
+_BY_IDENTITY = _caches.register("map_reduce client traces by identity", {})
+_MAX_FUNCTIONS = 64
+
+
+def _traces_of(fn: ClientFn, *, create: bool) -> dict[Hashable, ClientTrace] | None:
+    """The kept traces of `fn` (a new, empty set with `create`), or None.
+
+    Raises:
+      TypeError: `fn` has no hashable key (an unhashable callable object).
+    """
+    key = static_key(fn)
+    if isinstance(key, FunctionIdentity):
+        found = _BY_IDENTITY.get(id(fn))
+        if found is not None and found[0]() is fn:
+            return found[1]
+        if not create:
+            return None
+        traces: dict[Hashable, ClientTrace] = {}
+        _bounded(_BY_IDENTITY)[id(fn)] = (weakref.ref(fn), traces)
+        return traces
+    kept = _BY_VALUE.get(key)
+    if kept is None and create:
+        kept = _bounded(_BY_VALUE)[key] = {}
+    return kept
+
+
+def _bounded(kept: dict[Any, Any]) -> dict[Any, Any]:
+    """`kept`, its oldest entries dropped to leave room for one more."""
+    while len(kept) >= _MAX_FUNCTIONS:
+        del kept[next(iter(kept))]
+    return kept
 
 
 def trace_client(
@@ -126,13 +165,16 @@ def trace_client(
       Whatever tracing `fn` raises.
     """
     with jax_core.program(placements={placement: n}):
-        closed, shape = jax.make_jaxpr(fn, return_shape=True)(server, client)
+        # Through a new function: make_jaxpr keeps traces by the function's equality, and two
+        # bound methods of one object are equal after the object changed.
+        closed, shape = jax.make_jaxpr(lambda s, c: fn(s, c), return_shape=True)(server, client)
         key = _key(jax.tree.structure((server, client)), tuple(closed.in_avals))
     found = ClientTrace(closed, jax.tree.structure(shape))
     try:
-        traces = _TRACES.setdefault(fn, {})
+        traces = _traces_of(fn, create=True)
     except TypeError:  # Not weakly referable or not hashable: the round traces it itself.
         return found
+    assert traces is not None  # Created.
     traces.pop(key, None)
     traces[key] = found
     while len(traces) > _MAX_TRACES_PER_FUNCTION:
@@ -154,7 +196,7 @@ def _key(tree: Any, avals: tuple[Any, ...]) -> Hashable:
 def _replaying(fn: ClientFn) -> ClientFn:
     """`fn`, or what evaluates its kept traces where the shapes match one (see the module)."""
     try:
-        traces = _TRACES.get(fn)
+        traces = _traces_of(fn, create=False)
     except TypeError:
         return fn
     return fn if not traces else _Replay(fn, traces)
