@@ -140,7 +140,6 @@ class Round:
     """
 
     keeping: TorchFunction  # Runs the round (a timed candidate too): its programs are kept.
-    measuring: TorchFunction  # Unused: every candidate timed runs in `keeping`.
     program: Callable[..., PyTree]  # The JAX round, for the cost model's jaxprs.
     agree_seconds: Callable[[float], float]
     agree_budget: Callable[[int], int]

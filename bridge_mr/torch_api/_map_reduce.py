@@ -1,7 +1,7 @@
 """`map_reduce`: broadcast → per-client map → reduce as one compiled, differentiable call.
 
 The round itself is `bridge_mr.jax_core.map_reduce`; this module checks the arguments and makes
-it a `TorchFunction`. `strategy="auto"` is `_auto`'s (which measures the strategies once per
+it a `TorchFunction`. `strategy="auto"` is `_auto`'s (which decides among the strategies once per
 signature and keeps the fastest), a round across processes `_processes`'.
 """
 
@@ -21,7 +21,7 @@ from bridge_mr._compat import torch as torch_compat
 from . import _weights
 from ._auto import MapReduceFunction, Round, choose, same
 from ._autograd import Entry
-from ._function import TorchFunction, run
+from ._function import run
 from ._processes import across_processes, holds_tensors
 from ._round import ARG_NAMES, STRATEGIES, ClientFn, PyTree, Reduction, Strategy, map_reduce_jax
 from ._static import FUNCTION_TYPES, FunctionIdentity, function_key, static_key
@@ -52,21 +52,20 @@ def map_reduce(
     clients at once; "per_client" runs one client at a time in an XLA loop (the memory of one
     client, no grouped convolutions); "chunks" runs `chunk_size` clients at a time (memory
     O(chunk_size), forward and gradient alike), and is what `chunk_size` alone (with
-    `strategy` left at its default) means. "auto" (the default) measures, once per
-    signature, vmap, per_client and chunks of 16 and 128 (those below the client count) on the
-    call's own tensors: each candidate is compiled once to read its memory estimate (XLA's
-    memory analysis), those over `memory_budget_bytes` are never run, the others run once
-    untimed and then `AUTO_REPEATS` times timed (with the backward pass when gradients are
-    needed, through `torch.autograd.grad`, so no `.grad` changes): one timed call each first,
-    then the rest for those within `AUTO_GIVE_UP` times the fastest (the others cannot win).
-    vmap goes first; when it takes under `AUTO_MIN_SECONDS` the others are not tried (too
-    little to gain). The fastest median wins, but a candidate replaces vmap only when it is
-    clearly faster (median below `AUTO_MARGIN` times vmap's), so noise never picks a slower
-    strategy. That cost, two compilations and up to four calls per candidate tried (vmap's
-    program is kept for later calls, and counts in `trace_counts`), is paid on the first call
-    of a signature; later calls run the choice directly.
-    `bridge_mr.map_reduce_choices()` lists the choices with their timings, and the
-    "bridge_mr" logger reports each at DEBUG level. "auto" runs vmap without measuring for
+    `strategy` left at its default) means. "auto" (the default) decides once per signature,
+    among vmap, per_client and chunks of 16 and 128 (those below the client count), without
+    compiling or running any but the call itself: it traces `fn` once (every candidate and the
+    call evaluate that trace), reads each candidate's program from its jaxpr (operations of
+    matrix products and convolutions, peak live memory, convolution groups), rules out on CPU
+    the batched strategies that would turn convolutions over per-client weights into grouped
+    convolutions, and those over `memory_budget_bytes`, and keeps vmap unless another needs
+    clearly fewer operations (`AUTO_MARGIN`). The call then compiles and runs the strategy
+    picked, and keeps its program, so the first call of "auto" costs about what the first call
+    of the strategy it picks does. Each decision is also kept on disk (`$BRIDGE_MR_CACHE_DIR`,
+    else `$XDG_CACHE_HOME/bridge_mr`, else `~/.cache/bridge_mr`; `BRIDGE_MR_AUTO_DISK=0` turns
+    it off) so the next process reads it instead of deciding again.
+    `bridge_mr.map_reduce_choices()` lists the choices with their estimates, and the
+    "bridge_mr" logger reports each at DEBUG level. "auto" runs vmap without deciding for
     JAX inputs, torch-xla tensors (whose lazy calls cannot be timed one by one) and under
     `torch.compile`; under `torch.func` transforms and forward-mode AD it uses a choice already
     made for the signature, else vmap.
@@ -105,10 +104,10 @@ def map_reduce(
       strategy: "auto", "vmap", "per_client" or "chunks" (see above).
       chunk_size: for "chunks": how many clients run at once (a positive int). Given alone
         (`strategy` left at "auto"), it means strategy="chunks".
-      memory_budget_bytes: for "auto": the most memory a candidate may need by XLA's estimate
-        (default: half the device's memory limit, or half the host's memory on CPU, and at
-        most `AUTO_MEMORY_FACTOR` times the leanest candidate's estimate when that is over
-        `AUTO_MEMORY_FLOOR`).
+      memory_budget_bytes: for "auto": the most memory a candidate may need by the cost
+        model's estimate, read from its jaxpr (default: half the device's memory limit, or half
+        the host's memory on CPU, and at most `AUTO_MEMORY_FACTOR` times the leanest
+        candidate's estimate when that is over `AUTO_MEMORY_FLOOR`).
 
     Returns:
       The reduction of `fn`'s results, with `fn`'s output structure: torch tensors for torch
@@ -124,7 +123,7 @@ def map_reduce(
         names the leaf), mixed torch and JAX inputs, a `mesh` that is not a mesh.
 
     Example:
-      `strategy="vmap"` (or `chunk_size`) here, as "auto" would first time the strategies.
+      `strategy="vmap"` (or `chunk_size`) here, as "auto" would first decide among the strategies.
 
       >>> loss = bridge_mr.map_reduce(jax_loss, params, batch, strategy="vmap")  # batch: [8, ...]
       >>> loss  # the mean over the 8 clients of jax_loss(params, client's batch)
@@ -267,12 +266,10 @@ def _strategy(strategy: Any, chunk_size: Any, memory_budget_bytes: Any) -> Strat
 MAP_REDUCE = MapReduceFunction(
     map_reduce_jax, passthrough_jax=True, name="map_reduce", arg_names=ARG_NAMES
 )
-# The candidates of `auto` other than vmap run in the second function, so MAP_REDUCE traces
-# only vmap and what runs (`trace_counts` stays meaningful) and their programs are dropped once
-# timed. Errors name "map_reduce".
+# `auto` runs (and, with AUTO_TIMING, times) its candidates in MAP_REDUCE itself, so the
+# program of the one picked is the one kept.
 _ONE_PROCESS = Round(
     MAP_REDUCE,
-    TorchFunction(map_reduce_jax, name="map_reduce", arg_names=ARG_NAMES),
     map_reduce_jax,
     same,
     same,

@@ -23,7 +23,6 @@ from bridge_mr import distributed, jax_core
 
 from . import _weights
 from ._auto import MapReduceFunction, Round, choose
-from ._function import TorchFunction
 from ._round import (
     PROCESS_ARG_NAMES,
     ClientFn,
@@ -130,7 +129,6 @@ MAP_REDUCE_PROCESSES = MapReduceFunction(
 # `auto` across processes: see `_map_reduce._ONE_PROCESS`. Timings and budgets are agreed.
 _PROCESSES = Round(
     MAP_REDUCE_PROCESSES,
-    TorchFunction(map_reduce_processes_jax, name="map_reduce", arg_names=PROCESS_ARG_NAMES),
     map_reduce_processes_jax,
     distributed.agree_seconds,
     distributed.agree_minimum,
