@@ -68,7 +68,8 @@ class Comparison:
             first += ", never made up: its later rounds are not faster"
         elif catch_up > 0:
             rounds = len(ours.round_seconds)
-            first += f", made up after {catch_up} later rounds (this run: {rounds - 1})"
+            plural = "s" if catch_up > 1 else ""
+            first += f", made up after {catch_up} later round{plural} (this run: {rounds - 1})"
         return f"{ours.algorithm} vs {theirs.implementation}: {later}; {first}"
 
 

@@ -97,7 +97,8 @@ def _check_report(result: DemoResult, out: str) -> None:
         if catch_up is None:
             assert m[16] == ", never made up: its later rounds are not faster", m[0]
         elif catch_up > 0:
-            assert m[16] == f", made up after {catch_up} later rounds (this run: 14)", m[0]
+            rounds = "round" if catch_up == 1 else "rounds"
+            assert m[16] == f", made up after {catch_up} later {rounds} (this run: 14)", m[0]
     slower = re.search(r"^where bridge_mr is slower in this run: (.*)$", out, re.MULTILINE)
     assert slower is not None, out
     assert slower[1] == result.speed_summary().splitlines()[-1].split(": ", 1)[1]
@@ -197,6 +198,9 @@ def test_a_first_round_no_slower_needs_no_catching_up() -> None:
     assert comparison.catch_up_rounds == 0
     assert comparison.describe().endswith("first round 490 ms faster (10.0 ms vs 500 ms)")
     assert DemoResult(phases=[comparison.ours], seconds=1.0).speed_summary() == ""
+    once = Comparison(_phase("bridge_mr", 0.5, [0.01]), _phase("torch loop", 0.1, [0.5]))
+    assert once.catch_up_rounds == 1
+    assert once.describe().endswith(", made up after 1 later round (this run: 1)")
 
 
 @pytest.mark.parametrize("clients", [0, 719])
