@@ -156,6 +156,6 @@ def format_load(phases: Sequence[PhaseResult]) -> str:
     if max(known) < BUSY_CORES:
         return f"{line} (quiet)"
     return (
-        f"{line}: the machine was busy, so these times are not a quiet machine's (torch's "
-        "intra-op threads suffer most when cores are taken); rerun when it is idle"
+        f"{line}: the machine was busy, so these times are not a quiet machine's; rerun "
+        "when it is idle"
     )
