@@ -131,7 +131,7 @@ def format_speed(phases: Sequence[PhaseResult]) -> str:
         )
         where.append(
             f"its first round, in {len(slower_first)} of {len(found)} comparisons ({span} more: "
-            'tracing the torch code into JAX, XLA compilation, strategy="auto"\'s measurements)'
+            'tracing the torch code into JAX, XLA compilation, strategy="auto"\'s choice)'
         )
     where += [
         f"{c.ours.algorithm}'s later rounds against {c.theirs.implementation} "

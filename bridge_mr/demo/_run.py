@@ -124,7 +124,7 @@ def run_demo(
     echo(result.table())
     echo(
         "1st round: bridge_mr traces the torch loss into JAX, compiles the round with XLA and "
-        'times strategy="auto"\'s candidates; the torch baselines compile nothing (their first '
+        'picks strategy="auto"\'s strategy; the torch baselines compile nothing (their first '
         "round is PyTorch's own warm-up)."
     )
     if config.baseline:

@@ -78,7 +78,7 @@ class PhaseResult:
     """One training run: per-round losses and times, and the final test accuracy.
 
     `round_seconds[0]` is the first round, which includes whatever the implementation does on
-    its first call (bridge_mr: tracing, XLA compilation, `strategy="auto"`'s measurements).
+    its first call (bridge_mr: tracing, XLA compilation, `strategy="auto"`'s choice).
     `other_cpu` is the CPU other processes used while the run's rounds were timed, in cores
     (None where the platform does not tell).
     """

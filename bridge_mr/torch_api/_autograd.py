@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import torch
 
 from bridge_mr import runners
@@ -125,6 +126,15 @@ class Entry:
     traced: TracedCall
     forward: runners.Runner
     backward: Backward
+
+
+def run(entry: Entry, tensors: list[torch.Tensor]) -> Any:
+    """Runs a call of `entry` on its tensors; its outputs in the traced function's structure."""
+    outputs = apply(entry, tensors)
+    found = entry.traced.outputs
+    if found.is_leaf:
+        return outputs[0]
+    return jax.tree_util.tree_unflatten(found.tree, outputs)
 
 
 def apply(entry: Entry, tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:

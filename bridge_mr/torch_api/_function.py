@@ -24,7 +24,7 @@ from bridge_mr._dtypes import Aval
 from bridge_mr.dlpack import tensor_avals
 
 from . import _custom_op, _signature
-from ._autograd import Backward, Entry, apply
+from ._autograd import Backward, Entry, run
 from ._signature import TENSOR
 from ._static import FunctionIdentity
 from ._traced import CallSpec, TraceCounter, TracedCall, forward_runner, trace
@@ -440,15 +440,6 @@ class TorchFunction:
                     RetraceWarning,
                     stacklevel=5,
                 )
-
-
-def run(entry: Entry, tensors: list[torch.Tensor]) -> PyTree:
-    """Runs a call of `entry` on its tensors; its outputs in the traced function's structure."""
-    outputs = apply(entry, tensors)
-    found = entry.traced.outputs
-    if found.is_leaf:
-        return outputs[0]
-    return jax.tree_util.tree_unflatten(found.tree, outputs)
 
 
 def _derived(jax_fn: Any, name: str) -> TorchFunction:

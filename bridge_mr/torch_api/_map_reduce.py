@@ -20,8 +20,7 @@ from bridge_mr._compat import torch as torch_compat
 
 from . import _weights
 from ._auto import MapReduceFunction, Round, choose, same
-from ._autograd import Entry
-from ._function import run
+from ._autograd import Entry, run
 from ._processes import across_processes, holds_tensors
 from ._round import ARG_NAMES, STRATEGIES, ClientFn, PyTree, Reduction, Strategy, map_reduce_jax
 from ._static import FUNCTION_TYPES, FunctionIdentity, function_key, static_key

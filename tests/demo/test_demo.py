@@ -188,7 +188,7 @@ def test_comparison_says_where_bridge_mr_is_slower() -> None:
     assert result.speed_summary().splitlines()[-1] == (
         "where bridge_mr is slower in this run: its first round, in 2 of 2 comparisons "
         "(2.95 s to 2.98 s more: tracing the torch code into JAX, XLA compilation, "
-        "strategy=\"auto\"'s measurements); FedAvg's later rounds against torch.func "
+        "strategy=\"auto\"'s choice); FedAvg's later rounds against torch.func "
         "(1.22x its time)"
     )
 
