@@ -368,7 +368,7 @@ def test_the_aggregation_merges_partial_accumulators_in_any_order_and_tree_shape
         return combine.add_input(combine.create_accumulator(), c)
 
     def result(acc):
-        return combine.extract_output(acc)
+        return combine.finish([combine.extract_output(acc)])
 
     flat = combine.create_accumulator()
     for c in contributions:
@@ -396,8 +396,11 @@ def test_the_aggregation_merges_partial_accumulators_in_any_order_and_tree_shape
     }
     for acc in leaves[-2::-1]:
         shapes["right fold"] = combine.merge_accumulators([acc, shapes["right fold"]])
-    for name, acc in shapes.items():
-        count, values = result(acc)
+    partials = [combine.extract_output(acc) for acc in leaves]  # One per partition, say.
+    for name, (count, values) in [
+        *((name, result(acc)) for name, acc in shapes.items()),
+        ("several partials", combine.finish(partials[::-1])),
+    ]:
         assert count == 9, name
         for got, want in zip(values, expected[1], strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
@@ -412,7 +415,9 @@ def test_the_aggregation_of_no_client_is_an_error():
     plan = bb.split(fedavg_round, (server0(),), records(1)[0])
     combine = bb.Aggregate(plan.reductions[0])
     with pytest.raises(ValueError, match="no client records reached the aggregation"):
-        combine.extract_output(combine.create_accumulator())
+        combine.finish([combine.extract_output(combine.create_accumulator())])
+    with pytest.raises(ValueError, match="no client records reached the aggregation"):
+        combine.finish([])
 
 
 # --- workers import jax and numpy only --------------------------------------------------------
