@@ -136,6 +136,16 @@ class Aggregate(beam.CombineFn):
         Raises:
             ValueError: No client contributed, or the count is not `expected` (clients lost
                 or counted twice).
+
+        Example:
+          >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
+          >>> aggregate = bridge_mr.beam.Aggregate(plan.reductions[0])  # one mean
+          >>> partials = [  # one per partition: 2 clients, then 1
+          ...     aggregate.add_input(aggregate.create_accumulator(), [np.float32([2, 4])]),
+          ...     aggregate.add_input(aggregate.create_accumulator(), [np.float32([6])]),
+          ... ]
+          >>> aggregate.finish(partials, expected=3)
+          (3, [array(4., dtype=float32)])
         """
         # An empty accumulator first: merging it changes nothing, and no partial is no client.
         merged = _worker.merge_accumulators([self.create_accumulator(), *partials])
