@@ -16,6 +16,9 @@ import pytest
 import torch
 from helpers import assert_trees_all_close
 from helpers.child import run_python
+from helpers.rounds import case as _case
+from helpers.rounds import delta as _delta
+from helpers.rounds import loss as _loss
 
 import bridge_mr
 from bridge_mr.torch_api import _auto, _decisions, map_reduce
@@ -31,23 +34,6 @@ def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     bridge_mr.clear_caches()
     yield
     bridge_mr.clear_caches()
-
-
-def _loss(params, batch):
-    hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"])
-    return jnp.mean((hidden.sum(-1) - batch["y"]) ** 2)
-
-
-def _delta(params, batch):
-    return {"w": params["w"] * _loss(params, batch), "b": params["b"]}
-
-
-def _case(n=5, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    params = {"w": torch.randn(3, 2, generator=gen), "b": torch.randn(2, generator=gen)}
-    clients = {"x": torch.randn(n, 4, 3, generator=gen), "y": torch.randn(n, 4, generator=gen)}
-    weights = torch.rand(n, generator=gen) + 0.5
-    return params, clients, weights
 
 
 def _conv(w, x):
@@ -103,7 +89,7 @@ def test_dense_clients_keep_vmap_by_the_cost_model_without_running_another(caplo
     assert all("prefers vmap" in c.skipped for c in choice.candidates[1:])
     # per_client recomputes each client's forward in the backward pass (checkpointed loop).
     assert choice.candidates[1].flops > choice.candidates[0].flops
-    assert "_loss" in choice.signature
+    assert "map_reduce(loss, server=" in choice.signature
     assert "with gradients" in choice.signature
     (record,) = [r for r in caplog.records if "strategy='auto'" in r.getMessage()]
     assert "picked vmap" in record.getMessage()

@@ -11,29 +11,15 @@ import pytest
 import torch
 from helpers import assert_trees_all_close
 from helpers.child import run_python
+from helpers.rounds import case as _case
+from helpers.rounds import delta as _delta
+from helpers.rounds import loss as _loss
 
 import bridge_mr
 from bridge_mr.torch_api import map_reduce
 
 EXPLICIT = [("vmap", None), ("per_client", None), ("chunks", 2), ("chunks", 8)]
 CLOSE = {"rtol": 2e-5, "atol": 2e-6}
-
-
-def _loss(params, batch):
-    hidden = jnp.tanh(batch["x"] @ params["w"] + params["b"])
-    return jnp.mean((hidden.sum(-1) - batch["y"]) ** 2)
-
-
-def _delta(params, batch):
-    return {"w": params["w"] * _loss(params, batch), "b": params["b"]}
-
-
-def _case(n=5, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    params = {"w": torch.randn(3, 2, generator=gen), "b": torch.randn(2, generator=gen)}
-    clients = {"x": torch.randn(n, 4, 3, generator=gen), "y": torch.randn(n, 4, generator=gen)}
-    weights = torch.rand(n, generator=gen) + 0.5
-    return params, clients, weights
 
 
 def _grads(fn, reduce, strategy, chunk_size):
