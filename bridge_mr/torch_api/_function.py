@@ -286,13 +286,7 @@ class TorchFunction:
           True
         """
         with self._lock:
-            if by_identity:
-                self._identity_hits.append(key)
-                if len(self._identity_hits) > _MAX_IDENTITY_ENTRIES:
-                    self.hits.pop(self._identity_hits.pop(0), None)
-            if len(self.hits) >= _MAX_ENTRIES:
-                del self.hits[next(iter(self.hits))]
-            self.hits[key] = entry
+            _keep(self.hits, self._identity_hits if by_identity else None, key, entry)
 
     def _entry(
         self,
@@ -313,13 +307,7 @@ class TorchFunction:
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
             spec = self._spec(treedef, statics, tensors, diff)
             entry = self._new_entry(trace(spec, self._counter))
-            if identities:
-                self._identity_keys.append(key)
-                if len(self._identity_keys) > _MAX_IDENTITY_ENTRIES:
-                    self._entries.pop(self._identity_keys.pop(0), None)
-            if len(self._entries) >= _MAX_ENTRIES:
-                del self._entries[next(iter(self._entries))]
-            self._entries[key] = entry
+            _keep(self._entries, self._identity_keys if identities else None, key, entry)
             return entry
 
     def _spec(
@@ -440,6 +428,20 @@ class TorchFunction:
                     RetraceWarning,
                     stacklevel=5,
                 )
+
+
+def _keep(
+    entries: dict[Any, Entry], identity_keys: list[Any] | None, key: Any, entry: Entry
+) -> None:
+    """Adds `entry` under `key` within the bounds, oldest out first: 256 in all, and 16 of the
+    keys holding a function by identity (`identity_keys`, None for a key that holds none)."""
+    if identity_keys is not None:
+        identity_keys.append(key)
+        if len(identity_keys) > _MAX_IDENTITY_ENTRIES:
+            entries.pop(identity_keys.pop(0), None)
+    if len(entries) >= _MAX_ENTRIES:
+        del entries[next(iter(entries))]
+    entries[key] = entry
 
 
 def _derived(jax_fn: Any, name: str) -> TorchFunction:
