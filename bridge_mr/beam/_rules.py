@@ -149,8 +149,9 @@ class Checker:
                 "Reduce with reduce_sum / reduce_mean / reduce_weighted_mean instead.",
             )
         if not placed_in:
-            # A server value made placed: only a broadcast repeats it for every client.
-            if name != "broadcast_in_dim":
+            # A server value made placed: only a broadcast repeats it for every client, and
+            # a map of server values alone computes the same for every client.
+            if name not in ("broadcast_in_dim", "placed_map"):
                 self.refuse(
                     eqn,
                     "makes a per-client value from server values alone, which would differ "
@@ -387,6 +388,15 @@ def _cond(site: Site) -> None:
         site.refuse("branches on a per-client index", "Use jnp.where.")
     for branch in site.params["branches"]:
         site.check_body(branch, "a cond branch")
+
+
+@client_rule("placed_map")
+def _placed_map(site: Site) -> None:
+    # map_fn's per-client function (its params hold one client's jaxpr): whatever its body
+    # does, each client's results come from that client's slices and the unbatched values.
+    for axis, batched in zip(site.ins, site.params["batched"], strict=True):
+        if axis != (0 if batched else None):
+            site.refuse("reads a placed value whole inside map_fn (a closure over it)")
 
 
 @client_rule(*CALLS)

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from bridge_mr import jax_core
 
@@ -82,7 +83,8 @@ def split(
         placed = jax.tree.unflatten(record_tree, leaves[num_server:])
         return fn(*server, *placed)
 
-    traced = jax_core.program(placements={placement: n})(flat_fn)
+    # keep_maps: each map_fn stays one `placed_map` holding its per-client function.
+    traced = jax_core.program(placements={placement: n}, keep_maps=True)(flat_fn)
     closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*server_leaves, *placed_leaves)
     flat = flatten(closed)
     dce(flat)
@@ -211,6 +213,30 @@ def _reduction(c: Contribution) -> Reduction:
     return Reduction(kind=c.kind, shape=tuple(aval.shape), dtype=np.dtype(aval.dtype))
 
 
+def _client_loop(eqn: Any, ins: list[Any], n: Any) -> list[Any]:
+    """A `placed_map` as a loop over the bundle's clients, each running the per-client function.
+
+    Not its vmap: the bundle size is symbolic in the exported segment, and vmap turns a
+    per-client convolution into one grouped by `n`, which XLA cannot compile for a symbolic
+    `n`. The loop runs any per-client function, with the memory of one client.
+    """
+    body, batched = jex_core.jaxpr_as_fun(eqn.params["body"]), eqn.params["batched"]
+
+    def step(i: Any, outs: list[Any]) -> list[Any]:
+        client = [
+            jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if b else x
+            for x, b in zip(ins, batched, strict=True)
+        ]
+        results = body(*client)
+        return [
+            jax.lax.dynamic_update_index_in_dim(o, r, i, 0)
+            for o, r in zip(outs, results, strict=True)
+        ]
+
+    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+    return jax.lax.fori_loop(0, jnp.asarray(n, np.int32), step, init)
+
+
 def _export_segment(
     name: str,
     eqns: list[Any],
@@ -235,9 +261,12 @@ def _export_segment(
             p = axis.get(v)
             env[v] = a if not p else jnp.moveaxis(a, 0, p)
         for eqn in eqns:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            outs = eqn.primitive.bind(*(read(env, a) for a in eqn.invars), **params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
+            ins = [read(env, a) for a in eqn.invars]
+            if eqn.primitive is jax_core.map_p:
+                outs = _client_loop(eqn, ins, n)
+            else:
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
             env.update(zip(eqn.outvars, outs, strict=True))
         results = []
         for v in client_out:

@@ -11,6 +11,7 @@ from ._arguments import client_count as client_count
 from ._layouts import canonical_layouts as canonical_layouts
 from ._layouts import cpu_compiler_options as cpu_compiler_options
 from ._map_reduce import map_reduce as map_reduce
+from ._maps import map_p as map_p
 from ._mesh import ambient_mesh as ambient_mesh
 from ._mesh import check_mesh as check_mesh
 from ._primitives import broadcast_p as broadcast_p
@@ -33,6 +34,7 @@ __all__ = [
     "cpu_compiler_options",
     "current_placement",
     "map_fn",
+    "map_p",
     "map_reduce",
     "mean_p",
     "program",

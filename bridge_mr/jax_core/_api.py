@@ -17,8 +17,15 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _primitives
+from ._maps import trace_map
 from ._mesh import AnyMesh, abstract, axis_type, placement_mesh
-from ._program import BroadcastSources, Placement, require_broadcasts, require_placement
+from ._program import (
+    BroadcastSources,
+    Placement,
+    keeps_maps,
+    require_broadcasts,
+    require_placement,
+)
 
 PyTree: TypeAlias = Any
 
@@ -317,6 +324,8 @@ def map_fn(fn: Callable[..., PyTree], arg: PyTree, *, mesh: AnyMesh | None = Non
         axes.append(0 if source is None else None)
     arg, in_axes = jax.tree_util.tree_unflatten(treedef, values), treedef.unflatten(axes)
     args, in_axes = (tuple(arg), tuple(in_axes)) if isinstance(arg, tuple) else ((arg,), (in_axes,))
+    if keeps_maps() and mesh is None:
+        return trace_map(fn, args, in_axes, placement.name, placement.size)
     mapped = jax.vmap(
         fn,
         in_axes=in_axes,

@@ -89,10 +89,11 @@ class BroadcastSources:
 
 @dataclasses.dataclass(frozen=True)
 class _Scope:
-    """One active `program`: its placement and the broadcasts made under it."""
+    """One active `program`: its placement, the broadcasts made under it, whether it keeps maps."""
 
     placement: Placement
     broadcasts: BroadcastSources
+    keep_maps: bool = False
 
 
 _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
@@ -100,12 +101,18 @@ _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
 )
 
 
-def _enter_scope(placement: Placement) -> contextvars.Token[_Scope | None]:
+def _enter_scope(placement: Placement, keep_maps: bool = False) -> contextvars.Token[_Scope | None]:
     """Activates `placement` with a fresh broadcast table (shared with an equal outer placement)."""
     outer = _ACTIVE.get()
     if outer is not None and outer.placement == placement:
-        return _ACTIVE.set(_Scope(placement, outer.broadcasts))
-    return _ACTIVE.set(_Scope(placement, BroadcastSources()))
+        return _ACTIVE.set(_Scope(placement, outer.broadcasts, keep_maps or outer.keep_maps))
+    return _ACTIVE.set(_Scope(placement, BroadcastSources(), keep_maps))
+
+
+def keeps_maps() -> bool:
+    """Whether the innermost active program keeps each `map_fn` as one `placed_map`."""
+    scope = _ACTIVE.get()
+    return scope is not None and scope.keep_maps
 
 
 def current_placement() -> Placement | None:
@@ -212,6 +219,11 @@ class program:  # Lower-case like a function, as in drjax.
     Args:
         placements: One entry {name: size}: the placement's name (e.g. "clients") and size, a
             positive int or a symbolic dimension that is >= 1 for all its values.
+        keep_maps: Each `map_fn` without a mesh binds one `placed_map` primitive holding its
+            per-client function, instead of inlining its vmap, for interpreters of the program
+            that split it at `map_fn`'s boundary (`bridge_mr.beam` sets it). `jit` compiles the
+            same program either way; differentiation recomputes each map's forward once more.
+            An inner program of the same placement inherits it.
         **kwargs: Instead of `placements`, one `name=size` keyword.
 
     Raises:
@@ -246,7 +258,19 @@ class program:  # Lower-case like a function, as in drjax.
         Array(6., dtype=float32)
     """
 
-    def __init__(self, placements: Mapping[str, Size] | None = None, **kwargs: Size) -> None:
+    def __init__(
+        self,
+        placements: Mapping[str, Size] | None = None,
+        *,
+        keep_maps: bool = False,
+        **kwargs: Size,
+    ) -> None:
+        if not isinstance(keep_maps, bool):
+            raise TypeError(
+                f"program(keep_maps=...) expects a bool; got {type(keep_maps).__name__}: "
+                f"{keep_maps!r}."
+            )
+        self.keep_maps = keep_maps
         if placements is not None and kwargs:
             raise TypeError(
                 "program() takes either placements={name: size} or one keyword name=size, not "
@@ -256,11 +280,12 @@ class program:  # Lower-case like a function, as in drjax.
         self._tokens = threading.local()
 
     def __repr__(self) -> str:
-        return f"program(placements={{{self.placement.name!r}: {self.placement.size}}})"
+        keep = ", keep_maps=True" if self.keep_maps else ""
+        return f"program(placements={{{self.placement.name!r}: {self.placement.size}}}{keep})"
 
     def __enter__(self) -> Placement:
         stack = self._tokens.__dict__.setdefault("stack", [])
-        stack.append(_enter_scope(self.placement))
+        stack.append(_enter_scope(self.placement, self.keep_maps))
         return self.placement
 
     def __exit__(
@@ -278,10 +303,11 @@ class program:  # Lower-case like a function, as in drjax.
                 "`@program(...)` above a function, or as `with program(...):`."
             )
         placement = self.placement
+        keep_maps = self.keep_maps
 
         @functools.wraps(fn)
         def with_placement(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            token = _enter_scope(placement)
+            token = _enter_scope(placement, keep_maps)
             try:
                 return fn(*args, **kwargs)
             finally:

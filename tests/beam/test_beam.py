@@ -278,11 +278,14 @@ def merged_client_axis(server, data, weight):
     return jnp.sum(data["x"].reshape(-1) ** 2)
 
 
-def convolution(server, data, weight):
-    kernel = jnp.ones((2, 1, 2, 2), jnp.float32)
-    images = data["x"][:, None]  # [n, 1, 4, 3]: one image per client
-    out = mr.map_fn(lambda image: jax.lax.conv(image[None], kernel, (1, 1), "SAME"), images)
-    return mr.reduce_mean(out)
+def convolution_over_clients(server, data, weight):
+    images = data["x"][None]  # [1, n, 4, 3]: the clients as the channels of one image
+    kernel = images[:, :, :2, :2]  # [1, n, 2, 2]: a convolution summing over clients
+    return jnp.sum(jax.lax.conv(images, kernel, (1, 1), "SAME"))
+
+
+def closure_over_placed(server, data, weight):
+    return mr.reduce_sum(mr.map_fn(lambda w: w * jnp.sum(weight), weight))
 
 
 def placed_result(server, data, weight):
@@ -306,7 +309,8 @@ def rounds_in_a_scan(server, data, weight):
         (pairwise_matmul, r"float32\[n,n\].*pairs every client with every other"),
         (placed_result, r"result is a placed value \(float32\[n\]\)"),
         (merged_client_axis, r"reshape.*float32\[12\*n\].*merges clients with another axis"),
-        (convolution, r"conv_general_dilated.* does not know to keep clients apart"),
+        (convolution_over_clients, r"conv_general_dilated.* selects or mixes clients"),
+        (closure_over_placed, r"placed_map.* reads a placed value whole inside map_fn"),
         (rounds_in_a_scan, r"placed_broadcast.* is a broadcast inside a scan"),
     ],
 )
