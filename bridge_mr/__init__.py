@@ -90,10 +90,26 @@ _LAZY_TORCH_FN_NAMES = frozenset({"client_keys", "from_torch"})
 _torch_api: ModuleType | None = None  # bridge_mr.torch_api once fully imported.
 
 
-def _load_torch_api() -> ModuleType:
+def _import(module: str, what: str) -> ModuleType:
+    """Imports `module`; a missing torch becomes an error that says how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        raise ModuleNotFoundError(
+            f"bridge_mr.{what} needs PyTorch, which is not installed in this environment. "
+            'Install it with `pip install "bridge_mr[torch]"` (or any torch>=2.9, CPU or CUDA '
+            "build, e.g. `pip install torch==2.13.0`). bridge_mr.jax_core and bridge_mr.beam "
+            "work without it.",
+            name="torch",
+        ) from error
+
+
+def _load_torch_api(what: str = "torch_api") -> ModuleType:
     """Imports bridge_mr.torch_api (and torch); returns only once the import is complete."""
     global _torch_api
-    _torch_api = importlib.import_module(_TORCH_API)
+    _torch_api = _import(_TORCH_API, what)
     return _torch_api
 
 
@@ -102,13 +118,13 @@ def __getattr__(name: str) -> Any:
     if name == "torch_api":
         return _load_torch_api()
     if name in ("algorithms", "beam", "distributed", "dlpack", "torch_fn"):
-        return importlib.import_module(f"{__name__}.{name}")
+        return _import(f"{__name__}.{name}", name)
     if name in _LAZY_TORCH_FN_NAMES:
-        value = getattr(importlib.import_module(_TORCH_FN), name)
+        value = getattr(_import(_TORCH_FN, name), name)
         globals()[name] = value
         return value
     if name in _LAZY_TORCH_API_NAMES:
-        value = getattr(_load_torch_api(), name)
+        value = getattr(_load_torch_api(name), name)
         globals()[name] = value  # Later lookups find it without calling __getattr__.
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -127,7 +143,7 @@ def _frontend() -> ModuleType:
     """
     if _torch_api is not None:
         return _torch_api
-    if "torch" not in sys.modules:
+    if sys.modules.get("torch") is None:  # Not imported (or blocked): no torch tensor exists.
         return jax_core
     return _load_torch_api()
 

@@ -2,6 +2,7 @@
 # The whole test suite on a fresh machine: builds its own virtual environments, installs the
 # package (not editable, so the installed package is what gets tested) and runs pytest.
 #   .venv      torch==2.13.0 + jax: lint, core, dlpack, torch_api tests, types
+#   .venv-notorch  jax + the beam extra, no torch: Beam on Dask workers, the torch-free layout
 #   .venv-xla  torch==2.9.0 + torch_xla==2.9.0 + jax + flax: tests marked `xla`, and the compat
 #              layer's fast-path tests and from_torch's tests on torch 2.9
 # Each environment runs twice: with JAX's 64-bit mode off (the default, as users run JAX), then
@@ -31,6 +32,20 @@ leg "$VENV"/bin/pytest -m "not xla and not x64" "$@"
 leg BRIDGE_MR_X64=1 "$VENV"/bin/pytest -m "x64 and not xla" "$@"
 # Types of bridge_mr/ (configured in pyproject.toml), against this environment's torch and jax.
 "$VENV"/bin/basedpyright --pythonpath "$VENV/bin/python"
+
+# Without torch: the package's dependencies do not pull it in, and bridge_mr.jax_core and Beam
+# (the driver and the Dask workers) run where it is not installed at all.
+NOTORCH=.venv-notorch
+[ -x "$NOTORCH/bin/python" ] || "$PYTHON" -m venv "$NOTORCH"
+"$NOTORCH"/bin/pip install -q --force-reinstall --no-deps .
+"$NOTORCH"/bin/pip install -q ".[beam]" "pytest>=8" "hypothesis>=6.100"
+if "$NOTORCH"/bin/python -c "import importlib.util as u; raise SystemExit(u.find_spec('torch') is None)"; then
+  echo "torch is installed in $NOTORCH: a dependency pulled it in" >&2
+  exit 1
+fi
+leg "$NOTORCH"/bin/pytest -m "not xla and not x64" tests/beam/test_dask.py tests/beam/test_maps.py \
+  tests/test_imports.py::test_without_torch_plain_jax_runs_and_torch_names_say_how_to_install_it \
+  tests/test_imports.py::test_the_installed_package_requires_torch_only_through_its_extras
 
 if [ "${BRIDGE_MR_SKIP_XLA:-0}" != 1 ]; then
   bash scripts/setup_xla_env.sh

@@ -119,3 +119,35 @@ def test_unknown_attribute_raises_attribute_error():
             raise AssertionError("no AttributeError")
         """
     )
+
+
+def test_without_torch_plain_jax_runs_and_torch_names_say_how_to_install_it():
+    # As in an environment without torch (scripts/test.sh also runs this in .venv-notorch).
+    _run(
+        """
+        import sys
+        sys.modules["torch"] = None  # `import torch` now raises ModuleNotFoundError
+        import bridge_mr
+        """,
+        _PLAIN_JAX_PROGRAM,
+        """
+        for name in ("map_reduce", "from_torch", "torch_api", "algorithms", "dlpack"):
+            try:
+                getattr(bridge_mr, name)
+            except ModuleNotFoundError as err:
+                assert err.name == "torch", err.name
+                assert f"bridge_mr.{name} needs PyTorch" in str(err), str(err)
+                assert 'pip install "bridge_mr[torch]"' in str(err), str(err)
+            else:
+                raise AssertionError(f"bridge_mr.{name} loaded without torch")
+        """,
+    )
+
+
+def test_the_installed_package_requires_torch_only_through_its_extras():
+    from importlib import metadata
+
+    torch = [r for r in metadata.requires("bridge_mr") or [] if r.split(">")[0].strip() == "torch"]
+    assert torch, "no extra lists torch"
+    assert all("extra ==" in r for r in torch), torch
+    assert any('extra == "torch"' in r for r in torch), torch
