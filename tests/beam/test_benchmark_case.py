@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_the_beam_case_reports_beam_and_jit_rows(tmp_path, monkeypatch):
+def test_the_beam_case_reports_beam_and_jit_rows_of_both_models(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     main = importlib.import_module("benchmarks.__main__").main
     status = main(
@@ -21,7 +21,8 @@ def test_the_beam_case_reports_beam_and_jit_rows(tmp_path, monkeypatch):
     )  # fmt: skip
     assert status == 0
     case = json.loads((tmp_path / "results.json").read_text())["cases"]["beam"]
-    assert [row["id"] for row in case["rows"]] == ["beam/c4", "beam/c9"]
+    ids = [row["id"] for row in case["rows"]]
+    assert ids == ["beam/c4", "beam/c9", "beam-cnn/c4 first call", "beam-cnn/c4", "beam-cnn/c9"]
     for row in case["rows"]:
         names = {"jit", "beam FnApiRunner", "beam DaskRunner (2 workers)"}
         assert set(row["alternatives"]) == names
@@ -29,6 +30,12 @@ def test_the_beam_case_reports_beam_and_jit_rows(tmp_path, monkeypatch):
             beam = row["alternatives"][name]
             assert beam["median_s"] > 0
             assert beam["ratio_to_baseline"]["median"] > 0
-        assert len(row["load_1min"]) >= 3  # One per interleaved round.
-    assert sum("per client" in note for note in case["notes"]) == 2
-    assert "beam/c9" in (tmp_path / "results.md").read_text()
+        if not row["id"].endswith("first call"):
+            assert len(row["load_1min"]) >= 3  # One per interleaved round.
+    assert case["rows"][2]["params"]["model"] == "cnn"
+    # Lines: the linear model's Beam runners; the CNN's jit and Beam runners.
+    assert sum("per client" in note for note in case["notes"]) == 5
+    assert sum(note.startswith("CNN, ") and "per client" in note for note in case["notes"]) == 3
+    markdown = (tmp_path / "results.md").read_text()
+    assert "beam/c9" in markdown
+    assert "beam-cnn/c4 first call" in markdown

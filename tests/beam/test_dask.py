@@ -52,18 +52,31 @@ def mlp_loss(params, data):
     return jnp.mean((hidden @ params["w2"] - data["y"]) ** 2)
 
 
-def mlp_local(params, data):
-    def step(p, _):
-        return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(mlp_loss)(p, data)), None
+def local_sgd(loss, lr):
+    """A client's update: the delta of 3 local SGD steps of rate `lr` on `loss(params, data)`."""
 
-    new, _ = jax.lax.scan(step, params, None, length=3)
-    return jax.tree.map(jnp.subtract, new, params)
+    def local(params, data):
+        def step(p, _):
+            return jax.tree.map(lambda a, g: a - lr * g, p, jax.grad(loss)(p, data)), None
+
+        new, _ = jax.lax.scan(step, params, None, length=3)
+        return jax.tree.map(jnp.subtract, new, params)
+
+    return local
 
 
-def mlp_round(server, data, weight):
-    """A weighted FedAvg round of a 2-layer MLP: 3 local SGD steps per client."""
-    deltas = mr.map_fn(mlp_local, (mr.broadcast(server), data))
-    return jax.tree.map(jnp.add, server, mr.reduce_weighted_mean(deltas, weight))
+def weighted_fedavg(local):
+    """A weighted FedAvg round whose clients run `local`."""
+
+    def fedavg_round(server, data, weight):
+        deltas = mr.map_fn(local, (mr.broadcast(server), data))
+        return jax.tree.map(jnp.add, server, mr.reduce_weighted_mean(deltas, weight))
+
+    return fedavg_round
+
+
+# A weighted FedAvg round of a 2-layer MLP: 3 local SGD steps per client.
+mlp_round = weighted_fedavg(local_sgd(mlp_loss, 0.1))
 
 
 def mlp_server():
@@ -146,6 +159,57 @@ def test_the_dask_workers_run_rounds_without_torch(cluster):
         states = list(client.run(worker_state).values())
     assert [torch for torch, _ in states] == ["blocked", "blocked"]
     assert any(ran for _, ran in states)  # The round ran on this cluster's workers.
+
+
+SIDE, CHANNELS, CLASSES = 8, 4, 3
+
+
+def cnn_loss(params, data):
+    h = jax.lax.conv_general_dilated(
+        data["x"], params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = jax.lax.reduce_window(
+        jax.nn.relu(h), -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
+    )
+    logits = h.reshape(h.shape[0], -1) @ params["w"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), data["y"][:, None], 1))
+
+
+# A weighted FedAvg round of a CNN: conv, max-pool and 3 local SGD steps per client.
+cnn_round = weighted_fedavg(local_sgd(cnn_loss, 0.05))
+
+
+def cnn_server():
+    rng = np.random.default_rng(0)
+    return {
+        "k": (rng.normal(size=(3, 3, 1, CHANNELS)) / 3).astype(F32),
+        "w": (rng.normal(size=((SIDE // 2) ** 2 * CHANNELS, CLASSES)) / 8).astype(F32),
+    }
+
+
+def cnn_records(count, seed):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            {
+                "x": rng.normal(size=(EXAMPLES, SIDE, SIDE, 1)).astype(F32),
+                "y": rng.integers(0, CLASSES, size=EXAMPLES).astype(np.int32),
+            },
+            F32(rng.uniform(0.5, 2.0)),
+        )
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.slow
+def test_a_cnn_round_on_dask_equals_jit(cluster):
+    # Convolution, max-pooling and a scan of local steps inside map_fn; 3 bundles of 4 clients
+    # for the 2 workers.
+    recs = cnn_records(12, seed=7)
+    got = bb.run(
+        cnn_round, (cnn_server(),), recs, pipeline_options=dask_options(cluster), bundle_size=4
+    )
+    assert_close(got, jit_of(cnn_round, cnn_server(), recs), tol=1e-4)
 
 
 def write_client_files(directory, recs):
