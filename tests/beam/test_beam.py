@@ -13,6 +13,7 @@ import pytest
 # The torch-xla environment (.venv-xla) collects every module but has no Beam.
 beam = pytest.importorskip("apache_beam")
 from apache_beam.testing.util import assert_that  # noqa: E402
+from helpers.beam import assert_close, jit_of  # noqa: E402
 from helpers.child import run_python  # noqa: E402
 
 import bridge_mr  # noqa: E402
@@ -65,18 +66,6 @@ def records(count, seed=0):
         )
         for _ in range(count)
     ]
-
-
-def jit_of(fn, server, recs, *more):
-    stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *recs)
-    return jax.jit(mr.program(clients=len(recs))(fn))(server, *more, *stacked)
-
-
-def assert_close(got, expected, tol=2e-5):
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        assert np.asarray(a).dtype == np.asarray(b).dtype
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 # --- equal to jit -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ beam = pytest.importorskip("apache_beam")
 distributed = pytest.importorskip("distributed")
 from apache_beam.io import fileio  # noqa: E402
 from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
+from helpers.beam import assert_close, jit_of  # noqa: E402
 
 import bridge_mr.beam as bb  # noqa: E402
 from bridge_mr import jax_core as mr  # noqa: E402
@@ -100,18 +101,6 @@ def mlp_records(count, seed):
         )
         for _ in range(count)
     ]
-
-
-def jit_of(fn, server, recs):
-    stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *recs)
-    return jax.jit(mr.program(clients=len(recs))(fn))(server, *stacked)
-
-
-def assert_close(got, expected, tol=2e-5):
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        assert np.asarray(a).dtype == np.asarray(b).dtype
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 beam = pytest.importorskip("apache_beam")
+from helpers.beam import assert_close, jit_of  # noqa: E402
+
 import bridge_mr.beam as bb  # noqa: E402
 from bridge_mr import jax_core as mr  # noqa: E402
 
@@ -67,17 +69,6 @@ def cnn_records(count, seed=0):
         )
         for _ in range(count)
     ]
-
-
-def jit_of(fn, server, recs):
-    stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *recs)
-    return jax.jit(mr.program(clients=len(recs))(fn))(server, *stacked)
-
-
-def assert_close(got, expected, tol=2e-5):
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
 def test_a_cnn_round_equals_jit():

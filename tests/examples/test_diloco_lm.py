@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -15,23 +13,17 @@ import numpy as np
 import pytest
 import torch
 from helpers.child import run_python
+from helpers.examples import EXAMPLES, example_module
 
 import bridge_mr
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "diloco_lm.py"
+EXAMPLE = EXAMPLES / "diloco_lm.py"
 
 
 @pytest.fixture(scope="module")
 def example() -> Iterator[ModuleType]:
-    """The example as a module (registered in sys.modules, which its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location("diloco_lm_example", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with example_module("diloco_lm") as module:
+        yield module
 
 
 @pytest.mark.slow  # converts and compiles a transformer: tens of seconds on a busy machine

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import jax
@@ -19,22 +16,15 @@ pytest.importorskip("apache_beam")
 pytest.importorskip("distributed")
 pytest.importorskip("sklearn")
 
-from bridge_mr import jax_core
+from helpers.examples import example_module
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fedavg_beam.py"
+from bridge_mr import jax_core
 
 
 @pytest.fixture(scope="module")
 def example() -> Iterator[ModuleType]:
-    """The example as a module (registered in sys.modules, which its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location("fedavg_beam_example", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with example_module("fedavg_beam") as module:
+        yield module
 
 
 @pytest.fixture

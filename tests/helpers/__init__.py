@@ -3,6 +3,8 @@
 helpers                 assert_trees_all_close
 helpers.precision       precisions(): float64 (x64 leg) and float32 (default leg) params
 helpers.child           run_python(): a script in a fresh interpreter
+helpers.beam            jit_of(), assert_close(): what the Beam tests compare with
+helpers.examples        example_module(): an examples/*.py script as a module
 """
 
 from __future__ import annotations
