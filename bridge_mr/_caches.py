@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Clearable", "clear_all", "register", "register_clear", "registered"]
+__all__ = ["Clearable", "clear_all", "make_room", "register", "register_clear", "registered"]
 
 
 class Clearable(Protocol):
@@ -24,6 +24,7 @@ class Clearable(Protocol):
 
 
 C = TypeVar("C", bound=Clearable)
+D = TypeVar("D", bound=dict[Any, Any])
 
 _LOCK = threading.Lock()
 _CLEARS: dict[str, Callable[[], None]] = {}
@@ -79,3 +80,18 @@ def clear_all() -> None:
         clears = list(_CLEARS.values())
     for clear in clears:
         clear()
+
+
+def make_room(cache: D, bound: int) -> D:
+    """Drops `cache`'s oldest entries (dicts keep insertion order) until one more fits `bound`.
+
+    Args:
+      cache: a dict used as a bounded cache.
+      bound: the most entries it may hold.
+
+    Returns:
+      `cache` itself, so that a module writes `make_room(_CACHE, 256)[key] = value`.
+    """
+    while cache and len(cache) >= bound:
+        del cache[next(iter(cache))]
+    return cache

@@ -439,9 +439,7 @@ def _keep(
         identity_keys.append(key)
         if len(identity_keys) > _MAX_IDENTITY_ENTRIES:
             entries.pop(identity_keys.pop(0), None)
-    if len(entries) >= _MAX_ENTRIES:
-        del entries[next(iter(entries))]
-    entries[key] = entry
+    _caches.make_room(entries, _MAX_ENTRIES)[key] = entry
 
 
 def _derived(jax_fn: Any, name: str) -> TorchFunction:

@@ -130,18 +130,11 @@ def _traces_of(fn: ClientFn, *, create: bool) -> dict[Hashable, ClientTrace] | N
         if not create:
             return None
         traces: dict[Hashable, ClientTrace] = {}
-        _bounded(_BY_IDENTITY)[id(fn)] = (weakref.ref(fn), traces)
+        _caches.make_room(_BY_IDENTITY, _MAX_FUNCTIONS)[id(fn)] = (weakref.ref(fn), traces)
         return traces
     kept = _BY_VALUE.get(key)
     if kept is None and create:
-        kept = _bounded(_BY_VALUE)[key] = {}
-    return kept
-
-
-def _bounded(kept: dict[Any, Any]) -> dict[Any, Any]:
-    """`kept`, its oldest entries dropped to leave room for one more."""
-    while len(kept) >= _MAX_FUNCTIONS:
-        del kept[next(iter(kept))]
+        kept = _caches.make_room(_BY_VALUE, _MAX_FUNCTIONS)[key] = {}
     return kept
 
 
