@@ -212,13 +212,12 @@ def parse_client_file(readable):
         return {"x": arrays["x"], "y": arrays["y"]}, arrays["weight"][()]
 
 
-def test_a_pcollection_read_from_files_equals_jit(tmp_path):
-    # On the in-process runner: on this module's Dask cluster, after the tests above, the same
-    # pipeline waited forever inside fileio's transforms (it passed on a fresh cluster).
+def test_a_pcollection_read_from_files_on_dask_equals_jit(cluster, tmp_path):
+    # The records come from a Beam source (per-client .npz files) read by the Dask workers.
     recs = mlp_records(20, seed=5)
     write_client_files(tmp_path, recs)
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), recs[0])
-    pipeline = beam.Pipeline(runner=bb.DEFAULT_RUNNER)
+    pipeline = beam.Pipeline(options=dask_options(cluster))
     files = (
         pipeline
         | fileio.MatchFiles(str(tmp_path / "client-*.npz"))
