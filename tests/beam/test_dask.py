@@ -19,7 +19,14 @@ beam = pytest.importorskip("apache_beam")
 distributed = pytest.importorskip("distributed")
 from apache_beam.io import fileio  # noqa: E402
 from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
-from helpers.beam import assert_close, jit_of  # noqa: E402
+from helpers.beam import (  # noqa: E402
+    assert_close,
+    cnn_loss,
+    cnn_records,
+    cnn_server,
+    jit_of,
+    local_sgd,
+)
 
 import bridge_mr.beam as bb  # noqa: E402
 from bridge_mr import jax_core as mr  # noqa: E402
@@ -51,19 +58,6 @@ def dask_options(cluster, **more):
 def mlp_loss(params, data):
     hidden = jnp.tanh(data["x"] @ params["w1"] + params["b1"])
     return jnp.mean((hidden @ params["w2"] - data["y"]) ** 2)
-
-
-def local_sgd(loss, lr):
-    """A client's update: the delta of 3 local SGD steps of rate `lr` on `loss(params, data)`."""
-
-    def local(params, data):
-        def step(p, _):
-            return jax.tree.map(lambda a, g: a - lr * g, p, jax.grad(loss)(p, data)), None
-
-        new, _ = jax.lax.scan(step, params, None, length=3)
-        return jax.tree.map(jnp.subtract, new, params)
-
-    return local
 
 
 def weighted_fedavg(local):
@@ -150,51 +144,15 @@ def test_the_dask_workers_run_rounds_without_torch(cluster):
     assert any(ran for _, ran in states)  # The round ran on this cluster's workers.
 
 
-SIDE, CHANNELS, CLASSES = 8, 4, 3
-
-
-def cnn_loss(params, data):
-    h = jax.lax.conv_general_dilated(
-        data["x"], params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-    )
-    h = jax.lax.reduce_window(
-        jax.nn.relu(h), -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
-    )
-    logits = h.reshape(h.shape[0], -1) @ params["w"]
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), data["y"][:, None], 1))
-
-
 # A weighted FedAvg round of a CNN: conv, max-pool and 3 local SGD steps per client.
 cnn_round = weighted_fedavg(local_sgd(cnn_loss, 0.05))
-
-
-def cnn_server():
-    rng = np.random.default_rng(0)
-    return {
-        "k": (rng.normal(size=(3, 3, 1, CHANNELS)) / 3).astype(F32),
-        "w": (rng.normal(size=((SIDE // 2) ** 2 * CHANNELS, CLASSES)) / 8).astype(F32),
-    }
-
-
-def cnn_records(count, seed):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            {
-                "x": rng.normal(size=(EXAMPLES, SIDE, SIDE, 1)).astype(F32),
-                "y": rng.integers(0, CLASSES, size=EXAMPLES).astype(np.int32),
-            },
-            F32(rng.uniform(0.5, 2.0)),
-        )
-        for _ in range(count)
-    ]
 
 
 @pytest.mark.slow
 def test_a_cnn_round_on_dask_equals_jit(cluster):
     # Convolution, max-pooling and a scan of local steps inside map_fn; 3 bundles of 4 clients
     # for the 2 workers.
-    recs = cnn_records(12, seed=7)
+    recs = cnn_records(12, seed=7, examples=EXAMPLES, weighted=True)
     got = bb.run(
         cnn_round, (cnn_server(),), recs, pipeline_options=dask_options(cluster), bundle_size=4
     )

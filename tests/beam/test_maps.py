@@ -12,67 +12,32 @@ import numpy as np
 import pytest
 
 beam = pytest.importorskip("apache_beam")
-from helpers.beam import assert_close, jit_of  # noqa: E402
+from helpers.beam import (  # noqa: E402
+    CLASSES,
+    SIDE,
+    assert_close,
+    cnn_loss,
+    cnn_records,
+    cnn_server,
+    jit_of,
+    local_sgd,
+)
 
 import bridge_mr.beam as bb  # noqa: E402
 from bridge_mr import jax_core as mr  # noqa: E402
 
 F32 = np.float32
-SIDE, CHANNELS, CLASSES, EXAMPLES = 8, 4, 3, 6
-
-
-def cnn_logits(params, images):
-    h = jax.lax.conv_general_dilated(
-        images, params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-    )
-    h = jax.lax.reduce_window(
-        jax.nn.relu(h), -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
-    )
-    return h.reshape(images.shape[0], -1) @ params["w"]
-
-
-def cnn_loss(params, data):
-    logits = cnn_logits(params, data["x"])
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), data["y"][:, None], 1))
-
-
-def cnn_local(params, data):
-    def step(p, _):
-        return jax.tree.map(lambda a, g: a - 0.05 * g, p, jax.grad(cnn_loss)(p, data)), None
-
-    new, _ = jax.lax.scan(step, params, None, length=3)
-    return jax.tree.map(jnp.subtract, new, params)
+EXAMPLES = 6
 
 
 def cnn_round(server, data):
     """A FedAvg round of a CNN: conv, max-pool and 3 local SGD steps per client."""
-    deltas = mr.map_fn(cnn_local, (mr.broadcast(server), data))
+    deltas = mr.map_fn(local_sgd(cnn_loss, 0.05), (mr.broadcast(server), data))
     return jax.tree.map(jnp.add, server, mr.reduce_mean(deltas))
 
 
-def cnn_server():
-    rng = np.random.default_rng(0)
-    return {
-        "k": (rng.normal(size=(3, 3, 1, CHANNELS)) / 3).astype(F32),
-        "w": (rng.normal(size=((SIDE // 2) ** 2 * CHANNELS, CLASSES)) / 8).astype(F32),
-    }
-
-
-def cnn_records(count, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            {
-                "x": rng.normal(size=(EXAMPLES, SIDE, SIDE, 1)).astype(F32),
-                "y": rng.integers(0, CLASSES, size=EXAMPLES).astype(np.int32),
-            },
-        )
-        for _ in range(count)
-    ]
-
-
 def test_a_cnn_round_equals_jit():
-    recs = cnn_records(10)
+    recs = cnn_records(10, seed=0, examples=EXAMPLES, weighted=False)
     got = bb.run(cnn_round, (cnn_server(),), recs, bundle_size=4)
     assert_close(got, jit_of(cnn_round, cnn_server(), recs), tol=1e-4)
 
@@ -89,7 +54,7 @@ def cnn_meta_gradient(server, data):
 
 @pytest.mark.slow
 def test_a_gradient_through_a_cnn_round_equals_jit():
-    recs = cnn_records(6, seed=1)
+    recs = cnn_records(6, seed=1, examples=EXAMPLES, weighted=False)
     got = bb.run(cnn_meta_gradient, (cnn_server(),), recs, bundle_size=4)
     assert_close(got, jit_of(cnn_meta_gradient, cnn_server(), recs), tol=1e-4)
 

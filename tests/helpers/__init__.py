@@ -3,7 +3,7 @@
 helpers                 assert_trees_all_close
 helpers.precision       precisions(): float64 (x64 leg) and float32 (default leg) params
 helpers.child           run_python(): a script in a fresh interpreter
-helpers.beam            jit_of(), assert_close(): what the Beam tests compare with
+helpers.beam            jit_of(), assert_close(), local_sgd(), the CNN: the Beam tests'
 helpers.examples        example_module(): an examples/*.py script as a module
 """
 
