@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from apache_beam.options.pipeline_options import (
 )
 from apache_beam.pvalue import PCollection
 
-from . import _files, _worker
+from . import _files, _waiting, _worker
 from ._plan import Plan, Reduction, Segment
 from ._planning import check_record_spec, prepare
 
@@ -472,14 +473,8 @@ def _run_and_collect(pipeline: beam.Pipeline, result: Any, directory: str | None
                 _files.delete_tree([directory])
     path = _files.join(directory, "result.pkl")
     _ = result | "collect" >> beam.ParDo(_Collect(path))
-    outcome = pipeline.run()
-    try:
-        outcome.wait_until_finish()
-    finally:
-        # The DaskRunner's result holds the dask Client it opened, which Beam never closes.
-        client = getattr(outcome, "client", None)
-        if client is not None:
-            client.close()
+    started = time.time()
+    _waiting.wait(pipeline.run(), started)
     if not _files.exists(path):  # No record, no count: the rounds never ran.
         raise ValueError("bridge_mr.beam.run: the PCollection of client records is empty.")
     return _files.read_object(path)

@@ -7,6 +7,8 @@ shows that Beam workers need jax, numpy and apache-beam only.
 
 from __future__ import annotations
 
+import importlib
+import threading
 from pathlib import Path
 
 import jax
@@ -26,6 +28,8 @@ from helpers.beam import (  # noqa: E402
     cnn_server,
     jit_of,
     local_sgd,
+    parse_client_file,
+    write_client_files,
 )
 
 import bridge_mr.beam as bb  # noqa: E402
@@ -159,25 +163,13 @@ def test_a_cnn_round_on_dask_equals_jit(cluster):
     assert_close(got, jit_of(cnn_round, cnn_server(), recs), tol=1e-4)
 
 
-def write_client_files(directory, recs):
-    for i, (data, weight) in enumerate(recs):
-        np.savez(directory / f"client-{i:03d}.npz", x=data["x"], y=data["y"], weight=weight)
-
-
-def parse_client_file(readable):
-    with readable.open() as f:
-        arrays = np.load(f)
-        return {"x": arrays["x"], "y": arrays["y"]}, arrays["weight"][()]
-
-
-def test_a_pcollection_read_from_files_equals_jit(tmp_path):
-    # On the in-process runner: on this module's Dask cluster the same pipeline passed 6 runs
-    # of 6 by hand, then waited forever inside the module in a fresh-clone CI run (a helper
-    # saw the same hang before); its cause is not known.
+def test_a_pcollection_read_from_files_on_dask_equals_jit(cluster, tmp_path):
+    # The records come from a Beam source (per-client .npz files) that the Dask workers read,
+    # parsed by a function the workers import (tests/helpers/beam.py).
     recs = mlp_records(20, seed=5)
     write_client_files(tmp_path, recs)
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), recs[0])
-    pipeline = beam.Pipeline(runner=bb.DEFAULT_RUNNER)
+    pipeline = beam.Pipeline(options=dask_options(cluster))
     files = (
         pipeline
         | fileio.MatchFiles(str(tmp_path / "client-*.npz"))
@@ -186,3 +178,41 @@ def test_a_pcollection_read_from_files_equals_jit(tmp_path):
     )
     got = bb.run(mlp_round, (mlp_server(),), files, record_spec=spec, bundle_size=6)
     assert_close(got, jit_of(mlp_round, mlp_server(), recs))
+
+
+def shifted_mean(server, value):
+    return server + mr.reduce_mean(value)
+
+
+@pytest.mark.slow
+def test_a_cluster_that_loses_every_worker_fails_the_run_instead_of_waiting_forever(
+    tmp_path, monkeypatch
+):
+    # A function from a module the workers cannot import kills each worker process that
+    # receives it (dask 2026.8: 'Failed to deserialize', and the nanny does not restart it);
+    # the scheduler would keep the tasks forever. Its own cluster: this one loses its workers.
+    monkeypatch.setattr("bridge_mr.beam._waiting.NO_WORKERS_TIMEOUT_S", 3.0)
+    (tmp_path / "driver_only.py").write_text("def record(i):\n    return (i,)\n")
+    with distributed.LocalCluster(
+        n_workers=1, processes=True, threads_per_worker=1, dashboard_address=":0"
+    ) as lost:
+        monkeypatch.syspath_prepend(str(tmp_path))  # After the worker started: not on its path.
+        driver_only = importlib.import_module("driver_only")
+        pipeline = beam.Pipeline(options=dask_options(lost))
+        records = pipeline | beam.Create([F32(i) for i in range(4)]) | beam.Map(driver_only.record)
+        outcome = {}
+
+        def run():
+            try:
+                outcome["result"] = bb.run(shifted_mean, (F32(1),), records, record_spec=(F32(0),))
+            except Exception as error:  # Checked below, in the test's thread.
+                outcome["error"] = error
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=240)
+    assert not thread.is_alive(), "bridge_mr.beam.run still waits on a cluster with no worker"
+    error = outcome.get("error")
+    assert isinstance(error, RuntimeError), outcome
+    assert "lost every worker" in str(error)
+    assert "importable on the workers" in str(error)

@@ -4,6 +4,7 @@ local SGD, and a small CNN (its loss, initial parameters and clients' records)."
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -80,3 +81,19 @@ def cnn_records(count: int, seed: int, examples: int, *, weighted: bool) -> list
         }
         records.append((data, np.float32(rng.uniform(0.5, 2.0))) if weighted else (data,))
     return records
+
+
+# The Dask workers unpickle a pipeline's functions by module and name: these live here, in a
+# module the workers import (pytest adds tests/ to sys.path, which their processes inherit), not
+# in a test module (importlib mode names it `tests.beam.test_x`, which no worker can import).
+def write_client_files(directory: Path, recs: Sequence[tuple[Any, ...]]) -> None:
+    """One `client-NNN.npz` per ({"x", "y"}, weight) record."""
+    for i, (data, weight) in enumerate(recs):
+        np.savez(directory / f"client-{i:03d}.npz", x=data["x"], y=data["y"], weight=weight)
+
+
+def parse_client_file(readable: Any) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A record from a `fileio.ReadableFile` that `write_client_files` wrote."""
+    with readable.open() as f:
+        arrays = np.load(f)
+        return {"x": arrays["x"], "y": arrays["y"]}, arrays["weight"][()]
