@@ -30,7 +30,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from bridge_mr import jax_core
 
@@ -213,30 +212,6 @@ def _reduction(c: Contribution) -> Reduction:
     return Reduction(kind=c.kind, shape=tuple(aval.shape), dtype=np.dtype(aval.dtype))
 
 
-def _client_loop(eqn: Any, ins: list[Any], n: Any) -> list[Any]:
-    """A `placed_map` as a loop over the bundle's clients, each running the per-client function.
-
-    Not its vmap: the bundle size is symbolic in the exported segment, and vmap turns a
-    per-client convolution into one grouped by `n`, which XLA cannot compile for a symbolic
-    `n`. The loop runs any per-client function, with the memory of one client.
-    """
-    body, batched = jex_core.jaxpr_as_fun(eqn.params["body"]), eqn.params["batched"]
-
-    def step(i: Any, outs: list[Any]) -> list[Any]:
-        client = [
-            jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if b else x
-            for x, b in zip(ins, batched, strict=True)
-        ]
-        results = body(*client)
-        return [
-            jax.lax.dynamic_update_index_in_dim(o, r, i, 0)
-            for o, r in zip(outs, results, strict=True)
-        ]
-
-    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-    return jax.lax.fori_loop(0, jnp.asarray(n, np.int32), step, init)
-
-
 def _export_segment(
     name: str,
     eqns: list[Any],
@@ -262,11 +237,9 @@ def _export_segment(
             env[v] = a if not p else jnp.moveaxis(a, 0, p)
         for eqn in eqns:
             ins = [read(env, a) for a in eqn.invars]
-            if eqn.primitive is jax_core.map_p:
-                outs = _client_loop(eqn, ins, n)
-            else:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
+            # A placed_map (symbolic n) lowers to a loop over the bundle's clients.
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
             env.update(zip(eqn.outvars, outs, strict=True))
         results = []
         for v in client_out:

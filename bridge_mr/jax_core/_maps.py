@@ -9,7 +9,8 @@ Params: `body`; `batched` (per input: True = placed, clients first, `body` sees 
 slice; False = unbatched, `body` sees it whole, as vmap's `in_axes=None`); `placement` and `size`
 (an int or a symbolic dimension), as for the other primitives. Every result is placed.
 
-It lowers to the vmap of `body`, so `jit` compiles what `map_fn` compiles without it. Its JVP is
+With a concrete size it lowers to the vmap of `body`, so `jit` compiles what `map_fn` compiles
+without it; with a symbolic size (`jax.export`), to a loop over the clients. Its JVP is
 two maps: the primal one and a tangent one (which recomputes the primal per client); the
 transpose is a map of `body`'s transpose per client, whose cotangents of unbatched inputs are
 summed with `placed_sum`. Gradients of a program of maps are thus again maps and reductions.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -135,9 +136,24 @@ map_p.def_effectful_abstract_eval(_abstract_eval)
 
 def _lowering(*args: Any, body: Any, batched: Any, placement: str, size: Size) -> Any:
     del placement  # Unused.
-    in_axes = tuple(0 if b else None for b in batched)
-    # vmap's annotation says int; a symbolic size works as in any shape.
-    return jax.vmap(jex_core.jaxpr_as_fun(body), in_axes=in_axes, axis_size=cast(int, size))(*args)
+    fn = jex_core.jaxpr_as_fun(body)
+    if isinstance(size, int):
+        return jax.vmap(fn, in_axes=tuple(0 if b else None for b in batched), axis_size=size)(*args)
+    # A symbolic client count (jax.export, bridge_mr.beam's segments): vmap would make a
+    # per-client convolution one grouped by `size`, which XLA cannot compile; loop instead.
+
+    def step(i: Any, outs: list[Any]) -> list[Any]:
+        client = [
+            jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if b else x
+            for x, b in zip(args, batched, strict=True)
+        ]
+        return [
+            jax.lax.dynamic_update_index_in_dim(o, r, i, 0)
+            for o, r in zip(outs, fn(*client), strict=True)
+        ]
+
+    init = [jnp.zeros((size, *a.shape), a.dtype) for a in body.out_avals]
+    return jax.lax.fori_loop(0, jnp.asarray(size, jnp.int32), step, init)
 
 
 mlir.register_lowering(map_p, mlir.lower_fun(_lowering, multiple_results=True))

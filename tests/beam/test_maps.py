@@ -122,18 +122,24 @@ def test_a_from_torch_client_function_equals_jit():
     assert_close(got, jit_of(round_, params, recs), tol=1e-4)
 
 
-def maps_in_a_scan(server, x):
-    """map_fn inside a scan at the program's level: its placed_map runs within the scan body."""
-    kernel = jnp.full((3, 3, 1, 1), 0.1, jnp.float32) * server
+def maps_in_a_scan(server, x, kernels):
+    """map_fn inside a scan at the program's level: its placed_map runs within the scan body.
 
-    def client(image):
+    The convolution's kernel is each client's own plus one computed from the server value:
+    vmapped over a symbolic bundle size it would be a grouped convolution XLA cannot compile.
+    """
+    shared = jnp.full((3, 3, 1, 1), 0.1, jnp.float32) * server
+
+    def client(image, kernel):
         dims = ("NHWC", "HWIO", "NHWC")
         return jnp.tanh(
-            jax.lax.conv_general_dilated(image, kernel, (1, 1), "SAME", dimension_numbers=dims)
+            jax.lax.conv_general_dilated(
+                image, kernel + shared, (1, 1), "SAME", dimension_numbers=dims
+            )
         )
 
     def step(images, _):
-        return mr.map_fn(client, images), None
+        return mr.map_fn(client, (images, kernels)), None
 
     out, _ = jax.lax.scan(step, x, None, length=2)
     return mr.reduce_sum(out)
@@ -141,6 +147,9 @@ def maps_in_a_scan(server, x):
 
 def test_a_map_inside_a_scan_equals_jit():
     rng = np.random.default_rng(3)
-    recs = [(rng.normal(size=(1, 4, 4, 1)).astype(F32),) for _ in range(5)]
+    recs = [
+        (rng.normal(size=(1, 4, 4, 1)).astype(F32), rng.normal(size=(3, 3, 1, 1)).astype(F32))
+        for _ in range(5)
+    ]
     got = bb.run(maps_in_a_scan, (F32(2.0),), recs, bundle_size=2)
     assert_close(got, jit_of(maps_in_a_scan, F32(2.0), recs), tol=1e-5)

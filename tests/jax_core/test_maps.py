@@ -218,6 +218,33 @@ def test_one_export_for_every_client_count():
         assert_trees_all_close(exported.call(x, y), mr.program(clients=count)(fn)(x, y))
 
 
+def _per_client_convolution(images, kernels):
+    def client(image, kernel):
+        dims = ("NHWC", "HWIO", "NHWC")
+        out = jax.lax.conv_general_dilated(image, kernel, (1, 1), "SAME", dimension_numbers=dims)
+        return jnp.sum(jnp.tanh(out))
+
+    return mr.reduce_mean(mr.map_fn(client, (images, kernels)))
+
+
+def test_a_symbolic_client_count_runs_per_client_convolutions_as_a_loop():
+    # vmap would make them one convolution grouped by the symbolic n, which XLA cannot compile.
+    (n,) = jax.export.symbolic_shape("n")
+    kept = jax.jit(
+        mr.program(clients=n, keep_maps=True)(jax.value_and_grad(_per_client_convolution, 1))
+    )
+    exported = jax.export.export(kept)(
+        jax.ShapeDtypeStruct((n, 2, 5, 5, 1), jnp.float32),
+        jax.ShapeDtypeStruct((n, 3, 3, 1, 2), jnp.float32),
+    )
+    rng = np.random.default_rng(4)
+    for count in (1, 3):
+        images = rng.normal(size=(count, 2, 5, 5, 1)).astype(np.float32)
+        kernels = rng.normal(size=(count, 3, 3, 1, 2)).astype(np.float32)
+        inlined = mr.program(clients=count)(jax.value_and_grad(_per_client_convolution, 1))
+        assert_trees_all_close(exported.call(images, kernels), inlined(images, kernels))
+
+
 @JIT
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_under_a_mesh_the_map_stays_a_vmap(axis_type, jit):
