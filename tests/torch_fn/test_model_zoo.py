@@ -15,7 +15,10 @@ projection's bias under softmax) and both sides then hold only rounding. BatchNo
 deep layers over a handful of values per channel (MobileNetV2: a 1x1 map times the batch), so
 float32 rounding there is amplified (4.7e-5 measured against torch on MobileNetV2); they are
 compared at 1e-3 in float32 and at 1e-9 in float64 (the x64 leg), where the conversion matched
-torch to 6e-13.
+torch to 6e-13. Over four clients of 2 examples each, BatchNorm normalises over 2 values: float32
+gradients of MobileNetV2 then differed from torch's by 4.5e-3 on an AMD EPYC without AVX-512
+(it passed at 1e-3 on the Intel Xeon where it was written), so that test allows 2e-2 in float32
+and runs in float64 too.
 """
 
 from __future__ import annotations
@@ -155,6 +158,7 @@ def test_batch_norm_nets_match_torch_in_float64(name: str) -> None:
 @pytest.mark.parametrize("name", _params(NAMES))
 def test_map_reduce_over_four_clients_matches_a_torch_loop(name: str) -> None:
     entry, model, batch, loss = _setup(name, 8)
+    rtol = 2e-2 if entry.batch_norm and not jax.config.jax_enable_x64 else _rtol(name)
     clients = {k: v.reshape(4, 2, *v.shape[1:]) for k, v in batch.items()}
     converted = _convert(entry, loss)
     params = dict(model.named_parameters())
@@ -175,16 +179,23 @@ def test_map_reduce_over_four_clients_matches_a_torch_loop(name: str) -> None:
         values.append(v)
         grads.append(g)
         after.append(b)
-    assert value.item() == pytest.approx(torch.stack(values).mean().item(), rel=_rtol(name))
+    assert value.item() == pytest.approx(torch.stack(values).mean().item(), rel=rtol)
     mean_grads = {k: torch.stack([g[k] for g in grads]).mean(0) for k in grads[0]}
     got = {k: p.grad for k, p in model.named_parameters()}
-    _assert_trees_close(got, mean_grads, _rtol(name), f"{name} map_reduce gradient")
+    _assert_trees_close(got, mean_grads, rtol, f"{name} map_reduce gradient")
     if new_buffers is not None:
         floats = [k for k, v in after[0].items() if v.is_floating_point()]
         mean_buffers = {k: torch.stack([b[k] for b in after]).mean(0) for k in floats}
         _assert_trees_close(
-            {k: new_buffers[k] for k in floats}, mean_buffers, _rtol(name), f"{name} buffers"
+            {k: new_buffers[k] for k in floats}, mean_buffers, rtol, f"{name} buffers"
         )
+
+
+@pytest.mark.x64
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BATCH_NORM)
+def test_map_reduce_of_batch_norm_nets_matches_a_torch_loop_in_float64(name: str) -> None:
+    test_map_reduce_over_four_clients_matches_a_torch_loop(name)
 
 
 LR = 0.05
