@@ -47,13 +47,14 @@ def _watch(client: Any, futures: list[Any], started: float) -> None:
 
     alone_since = None
     for future in futures:
-        while not future.done():
+        while True:
             try:
-                future.result(timeout=_POLL_S)
+                # Waits without fetching the result (wait_until_finish gathers it).
+                if future.exception(timeout=_POLL_S) is not None:
+                    return  # The pipeline's own error: wait_until_finish raises it.
+                break
             except distributed.TimeoutError:
                 pass
-            except Exception:  # The pipeline's own error: wait_until_finish raises it.
-                return
             if client.nthreads():
                 alone_since = None
                 continue
