@@ -32,6 +32,8 @@ from torch.utils import _pytree as torch_pytree
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._compat import torchax as torchax_compat
 
+from . import _recurrent
+
 __all__ = [
     "UnsupportedTorchOperation",
     "environment",
@@ -129,6 +131,8 @@ def environment() -> Any:
         env.override_op_definition(
             _aten._native_batch_norm_legit_functional.default, _batch_norm_functional
         )
+        # nn.LSTM / GRU / RNN as scans over time (outermost: above functionalization's wrappers).
+        _recurrent.install(env, UnsupportedTorchOperation, user_line)
         _ENVIRONMENT.append(env)
         return env
 
