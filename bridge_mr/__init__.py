@@ -7,8 +7,9 @@ The five MapReduce names (`broadcast`, `map_fn`, `reduce_sum`, `reduce_mean`,
 Importing bridge_mr does not import torch: plain-JAX programs (export tools, Beam or
 `jax.distributed` workers) never pay for it. The torch-only names (`map_reduce`,
 `map_reduce_choices`, `torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`,
-`from_torch`, `client_keys`) and the `dlpack`, `torch_api`, `torch_fn` and `algorithms`
-(FedAvg, FedOpt, DiLoCo, DP-FedAvg, ...) subpackages load torch on first access (torchax,
+`from_torch`, `client_keys`) and the `dlpack`, `torch_api`, `torch_fn`, `algorithms`
+(FedAvg, FedOpt, DiLoCo, DP-FedAvg, ...) and `data` (federated datasets, partitions, per-round
+batches) subpackages load torch on first access (torchax,
 behind `from_torch`, on a converted function's first call). The five MapReduce names run the
 JAX layer directly until torch is imported, since no torch tensor can exist before; from then on
 they run `bridge_mr.torch_api`, which accepts torch tensors and JAX values alike.
@@ -35,6 +36,7 @@ from .jax_core import program as program
 if TYPE_CHECKING:
     from . import algorithms as algorithms
     from . import beam as beam
+    from . import data as data
     from . import distributed as distributed
     from . import dlpack as dlpack
     from . import torch_api as torch_api
@@ -117,7 +119,7 @@ def __getattr__(name: str) -> Any:
     """Loads the torch-dependent names on first access (they import torch)."""
     if name == "torch_api":
         return _load_torch_api()
-    if name in ("algorithms", "beam", "distributed", "dlpack", "torch_fn"):
+    if name in ("algorithms", "beam", "data", "distributed", "dlpack", "torch_fn"):
         return _import(f"{__name__}.{name}", name)
     if name in _LAZY_TORCH_FN_NAMES:
         value = getattr(_import(_TORCH_FN, name), name)
@@ -132,7 +134,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     """The public names, the lazy ones included (listing them loads nothing)."""
-    return sorted({*__all__, "algorithms", "beam", "distributed", "torch_api", "torch_fn"})
+    return sorted({*__all__, "algorithms", "beam", "data", "distributed", "torch_api", "torch_fn"})
 
 
 def _frontend() -> ModuleType:

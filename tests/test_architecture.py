@@ -15,12 +15,13 @@
 | `distributed` | nothing | jax (no torch) |
 | `beam` | `jax_core`, `_compat` | jax (apache_beam on building a pipeline; `_worker`: jax only) |
 | `algorithms` | public names of `torch_api` and `jax_core` only | jax, torch (optax) |
+| `data` | public names of `algorithms`, `torch_api`, `jax_core` only | jax, torch |
 | `demo` | any public name | jax, torch |
 | `benchmarks/`, `examples/` | public names only, never the demo | |
 
-Every layer but `_flags`, `_compat`, `_dtypes`, `algorithms` and `demo` may also import `_caches`,
-where its module-level caches register. No module of bridge_mr is longer than `MAX_LINES` (500)
-lines.
+Every layer but `_flags`, `_compat`, `_dtypes`, `algorithms`, `data` and `demo` may also import
+`_caches`, where its module-level caches register. No module of bridge_mr is longer than
+`MAX_LINES` (500) lines.
 
 And, over every module of bridge_mr (module-level, `TYPE_CHECKING` and function-local imports
 alike):
@@ -76,7 +77,9 @@ LAYERS: dict[str, Layer] = {
     "jax_core": Layer(frozenset({"_compat", "_caches"})),
     "": Layer(
         frozenset({"jax_core", "_flags", "_caches"}),
-        lazily=frozenset({"dlpack", "torch_api", "torch_fn", "distributed", "algorithms", "beam"}),
+        lazily=frozenset(
+            {"dlpack", "torch_api", "torch_fn", "distributed", "algorithms", "data", "beam"}
+        ),
     ),
     "_dtypes": Layer(frozenset({"_compat"})),
     "dlpack": Layer(frozenset({"_compat", "_dtypes", "_caches"})),
@@ -90,6 +93,7 @@ LAYERS: dict[str, Layer] = {
     "distributed": Layer(frozenset({"_caches"})),
     "beam": Layer(frozenset({"jax_core", "_compat", "_caches"})),
     "algorithms": Layer(frozenset({"jax_core", "torch_api"}), public_only=True),
+    "data": Layer(frozenset({"jax_core", "torch_api", "algorithms"}), public_only=True),
     DEMO: Layer(frozenset(), public_only=True),
 }
 
@@ -108,6 +112,7 @@ LOADS: dict[str, frozenset[str]] = {
     "bridge_mr.distributed": frozenset({"jax"}),
     "bridge_mr.beam": frozenset({"jax"}),  # apache_beam when a pipeline is built
     "bridge_mr.algorithms": frozenset({"jax", "torch"}),
+    "bridge_mr.data": frozenset({"jax", "torch"}),
     "bridge_mr.demo": frozenset({"jax", "torch"}),
 }
 

@@ -37,6 +37,7 @@ import torch
 MODULES = (
     "bridge_mr",
     "bridge_mr.algorithms",
+    "bridge_mr.data",
     "bridge_mr.distributed",
     "bridge_mr.torch_fn",
     "bridge_mr.dlpack",
