@@ -437,13 +437,15 @@ class FederatedDataset:
             rows, self.offsets[:-1], counts, steps * batch_size, passes, generator
         )
         shape = (len(rows), steps, batch_size)
-        index = index.view(shape)
+        index = index.flatten()
         batches: dict[str, torch.Tensor] = {}
         on_device: dict[torch.device, torch.Tensor] = {}
         for name, value in self.examples.items():
             if value.device not in on_device:
                 on_device[value.device] = index.to(value.device)
-            batches[name] = value[on_device[value.device]]
+            # index_select: on CPU several times faster than the same advanced indexing.
+            gathered = torch.index_select(value, 0, on_device[value.device])
+            batches[name] = gathered.view(*shape, *value.shape[1:])
         first = next(iter(self.examples.values()))
         batches[MASK] = mask.view(shape).to(first.device)
         weights = cohort.weights(counts).to(first.device)

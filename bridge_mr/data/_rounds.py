@@ -114,23 +114,31 @@ def round_index(
     orders every row's passes at once. All on the host: the gather of the examples by this
     index is the only work on the dataset's device.
     """
+    take = torch.index_select  # On the host several times faster than advanced indexing.
     real = rows >= 0
-    row_counts = torch.where(real, counts[rows.clamp(min=0)], 0)
-    row_offsets = torch.where(real, offsets[rows.clamp(min=0)], 0)
-    row_of = torch.repeat_interleave(torch.arange(len(rows)), row_counts * passes)
+    row_counts = torch.where(real, take(counts, 0, rows.clamp(min=0)), 0)
+    row_offsets = torch.where(real, take(offsets, 0, rows.clamp(min=0)), 0)
+    lengths = row_counts * passes
+    total = int(lengths.sum())
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths, output_size=total)
     # Within row r, a rank in [0, passes * n_r): which pass (rank // n_r) and which example.
-    starts = torch.cumsum(row_counts * passes, 0) - row_counts * passes
-    rank = torch.arange(len(row_of)) - starts[row_of]
-    pass_of = torch.div(rank, row_counts[row_of].clamp(min=1), rounding_mode="floor")
-    example = row_offsets[row_of] + rank - pass_of * row_counts[row_of]
+    starts = torch.cumsum(lengths, 0) - lengths
+    count_of = take(row_counts, 0, row_of)
+    rank = torch.arange(total) - take(starts, 0, row_of)
+    pass_of = torch.div(rank, count_of.clamp(min=1), rounding_mode="floor")
+    example = take(row_offsets, 0, row_of) + rank - pass_of * count_of
     # Sorted by row, then pass, then a uniform key: each pass a random permutation.
     keys = (row_of * passes + pass_of).to(torch.float64) + torch.rand(
-        len(row_of), generator=generator, dtype=torch.float64
+        total, generator=generator, dtype=torch.float64
     )
-    ordered = example[torch.argsort(keys)]
+    ordered = take(example, 0, torch.argsort(keys))
     position = torch.arange(slots)
-    filled = position < (row_counts * passes).unsqueeze(1)
-    source = (starts.unsqueeze(1) + position).clamp(max=max(len(ordered) - 1, 0))
+    filled = position < lengths.unsqueeze(1)
+    if total:
+        source = (starts.unsqueeze(1) + position).clamp(max=total - 1)
+        drawn = take(ordered, 0, source.flatten()).view(source.shape)
+    else:
+        drawn = torch.zeros(len(rows), slots, dtype=torch.int64)
     # A padding slot repeats the row's first example (padding rows: example 0), masked out.
-    index = torch.where(filled, ordered[source] if len(ordered) else 0, row_offsets.unsqueeze(1))
+    index = torch.where(filled, drawn, row_offsets.unsqueeze(1))
     return index, filled.to(torch.float32)
