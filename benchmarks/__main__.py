@@ -28,6 +28,7 @@ from typing import Any  # noqa: E402
 from . import (  # noqa: E402
     cases_beam,
     cases_boundary,
+    cases_data,
     cases_diloco,
     cases_federated,
     cases_from_torch,
@@ -56,6 +57,7 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "diloco": cases_diloco.run,
     "beam": cases_beam.run,
     "users_path": cases_users_path.run,
+    "data": cases_data.run,
 }
 
 
