@@ -372,20 +372,22 @@ class FederatedDataset:
     ) -> Round:
         """One round's batches for `cohort`'s clients: `[clients, steps, batch_size, ...]`.
 
-        Each client fills its `steps * batch_size` slots with its examples in a random order
-        (a fresh one every pass): with `steps=S`, at most one pass (a client holding more
-        examples gives a random subset; one holding fewer is padded); with `epochs=E`, E
-        passes one after the other (TFF's `repeat(E).batch(B)`), the step count being set by
-        the largest client of the dataset, `ceil(E * max_count / batch_size)`, so every round
-        compiles to one program. Padding slots repeat the client's first example with mask 0
-        (see `Round`).
+        Each client fills its `steps * batch_size` slots with passes over its examples, one
+        after the other, each in a fresh random order (TFF's `repeat(E).batch(B)`): with
+        `steps=S` alone, one pass (a client holding more examples gives a random subset; one
+        holding fewer is padded); with `epochs=E` alone, E passes, the step count set by the
+        largest client of the dataset, `ceil(E * max_count / batch_size)`, so every round
+        compiles to one program; with both, E passes cut to (or padded up to) S steps
+        (`repeat(E).batch(B).take(S)`). Padding slots repeat the client's first example with
+        mask 0 (see `Round`); a cohort's padding rows are all padding.
 
         Args:
           cohort: the round's clients (`sampler().sample()`); None: every client.
           batch_size: examples per local step, >= 1.
-          steps: local steps per round (exclusive with `epochs`).
-          epochs: passes over each client's data (exclusive with `steps`).
-          padding: False refuses any padding slot: every client must fill its slots.
+          steps: local steps per round.
+          epochs: passes over each client's data (default 1 when `steps` is given).
+          padding: False refuses any padding slot in a client's rows: every client must fill
+            its slots.
           generator: the `torch.Generator` the example orders come from (yours: create it once
             with a seed; its state advances every round).
 
@@ -394,7 +396,7 @@ class FederatedDataset:
           `bridge_mr.map_reduce`, with `weights=rnd.weights` or `mask=rnd.client_mask`.
 
         Raises:
-          ValueError: both or neither of `steps` and `epochs`; a count < 1; with
+          ValueError: neither `steps` nor `epochs`; a count < 1; with
             `padding=False`, a client that cannot fill its slots; cohort clients out of range.
           TypeError: `generator` is not a torch.Generator, `cohort` not a Cohort.
 

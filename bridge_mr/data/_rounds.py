@@ -57,11 +57,11 @@ def round_steps(
     `counts` is the example count of every client of the dataset (not only the round's): the
     step count then depends on the dataset alone, so every round has one shape.
     """
-    if (steps is None) == (epochs is None):
+    if steps is None and epochs is None:
         raise ValueError(
-            "FederatedDataset.round: expected exactly one of steps= (a fixed number of local "
-            f"steps) and epochs= (passes over each client's data), got steps={steps!r}, "
-            f"epochs={epochs!r}."
+            "FederatedDataset.round: expected steps= (a fixed number of local steps), epochs= "
+            "(passes over each client's data) or both (that many passes, cut to that many "
+            "steps), got neither."
         )
     for name, value in (("batch_size", batch_size), ("steps", steps), ("epochs", epochs)):
         if value is not None and (
@@ -72,7 +72,8 @@ def round_steps(
             )
     if not isinstance(padding, bool):
         raise TypeError(f"FederatedDataset.round(padding=...): expected a bool, got {padding!r}.")
-    if epochs is not None:
+    if steps is None:
+        assert epochs is not None
         steps = math.ceil(epochs * int(counts.max()) / batch_size)
         short = torch.nonzero(epochs * counts != steps * batch_size).flatten()
         if not padding and short.numel():
@@ -81,21 +82,22 @@ def round_steps(
                 f"FederatedDataset.round(padding=False): {epochs} epoch(s) of client {client}'s "
                 f"{int(counts[client])} examples do not fill {steps} steps x batch_size="
                 f"{batch_size} exactly ({epochs} x the largest client's {int(counts.max())} "
-                "examples set the steps). Fix: padding=True (masked slots), or clients of equal "
-                "size with epochs x size a multiple of batch_size."
+                "examples set the steps). Fix: padding=True (masked slots), steps= as well "
+                "(the passes cut to that many steps), or clients of equal size."
             )
         return steps, epochs
-    assert steps is not None
-    short = torch.nonzero(counts < steps * batch_size).flatten()
+    passes = 1 if epochs is None else epochs
+    short = torch.nonzero(passes * counts < steps * batch_size).flatten()
     if not padding and short.numel():
         client = int(short[0])
         raise ValueError(
             f"FederatedDataset.round(padding=False): steps={steps} x batch_size={batch_size} = "
-            f"{steps * batch_size} examples per client, but client {client} holds only "
-            f"{int(counts[client])} ({short.numel()} client(s) hold fewer). Fix: padding=True "
-            "(its missing slots masked), or fewer steps or a smaller batch_size."
+            f"{steps * batch_size} examples per client, but {passes} pass(es) over client "
+            f"{client}'s {int(counts[client])} examples give only {passes * int(counts[client])}"
+            f" ({short.numel()} client(s) fall short). Fix: padding=True (the missing slots "
+            "masked), more epochs=, or fewer steps or a smaller batch_size."
         )
-    return steps, 1
+    return steps, passes
 
 
 def round_index(

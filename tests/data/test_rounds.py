@@ -56,6 +56,26 @@ def test_steps_take_a_random_subset_or_pad() -> None:
         assert ((real >= 100 * c) & (real < 100 * c + n)).all()
 
 
+def test_steps_and_epochs_together_cut_the_passes_to_the_steps() -> None:
+    train = _dataset()
+    g = torch.Generator().manual_seed(4)
+    rnd = train.round(batch_size=4, steps=3, epochs=2, generator=g)
+    assert rnd.batches["x"].shape == (6, 3, 4)
+    for c, n in enumerate(COUNTS):
+        real = _real(rnd, c)
+        assert len(real) == min(2 * n, 12)  # two passes, cut to 3 steps of 4
+        first_pass = real[: min(n, 12)]
+        assert len(first_pass.unique()) == len(first_pass)  # the first pass: no repeats
+        assert ((first_pass >= 100 * c) & (first_pass < 100 * c + n)).all()
+        if n <= 12:  # the whole first pass fits: it is a permutation of the client's examples
+            assert torch.equal(first_pass.sort().values, 100.0 * c + torch.arange(float(n)))
+    # Enough passes for every client: no padding slot at all, which padding=False then allows.
+    full = train.round(batch_size=4, steps=2, epochs=8, padding=False, generator=g)
+    assert bool(full.batches["mask"].all())
+    with pytest.raises(ValueError, match=r"3 pass\(es\) over client 4's 1 examples give only 3"):
+        train.round(batch_size=4, steps=2, epochs=3, padding=False, generator=g)
+
+
 def test_poisson_cohort_rows_and_padding_rows() -> None:
     train = _dataset()
     cohort = alg.Cohort(torch.tensor([1, 4]), padded_size=4)
@@ -139,13 +159,13 @@ def test_bad_round_arguments_are_named() -> None:
     g = torch.Generator().manual_seed(0)
     with pytest.raises(
         ValueError,
-        match=r"steps=2 x batch_size=4 = 8 .* client 0 holds only 3 "
-        r"\(4 client\(s\) hold fewer\)\. Fix: padding=True",
+        match=r"steps=2 x batch_size=4 = 8 .* 1 pass\(es\) over client 0's 3 examples give only "
+        r"3 \(4 client\(s\) fall short\)\. Fix: padding=True",
     ):
         train.round(batch_size=4, steps=2, padding=False, generator=g)
     with pytest.raises(ValueError, match=r"padding=False\): 1 epoch\(s\) of client 0's 3 "):
         train.round(batch_size=4, epochs=1, padding=False, generator=g)
-    with pytest.raises(ValueError, match=r"exactly one of steps= .* and epochs="):
+    with pytest.raises(ValueError, match=r"expected steps= .*epochs= .* or both .*got neither"):
         train.round(batch_size=4, generator=g)
     with pytest.raises(ValueError, match=r"round\(batch_size=...\): expected an int >= 1, got 0"):
         train.round(batch_size=0, steps=1, generator=g)
