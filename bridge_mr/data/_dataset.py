@@ -125,8 +125,9 @@ class FederatedDataset:
         Args:
           examples: field name -> tensor `[examples, ...]` (numpy arrays are taken too).
           client_ids: each example's client, an integer tensor `[examples]` with values in
-            `[0, num_clients)` (every client holding at least one example), or a partitioner
-            (`IID`, `Dirichlet`, `Shards`, `NaturalKey`: a function of `examples` giving one).
+            `[0, num_clients)` (every client holding at least one example; -1: the example is
+            left out), or a partitioner (`IID`, `Dirichlet`, `Shards`, `NaturalKey`: a
+            function of `examples` giving one).
           device: where the examples live for the rounds; None keeps their device.
 
         Returns:
@@ -154,17 +155,19 @@ class FederatedDataset:
             or client_ids.shape != (total,)
             or client_ids.dtype.is_floating_point
             or client_ids.dtype in (torch.bool, torch.complex64, torch.complex128)
-            or (total and int(client_ids.min()) < 0)
+            or (total and int(client_ids.min()) < -1)
         ):
             raise ValueError(
                 f"FederatedDataset.from_tensors(client_ids=...): expected one client id >= 0 "
-                f"per example, an integer tensor of shape [{total}], or a partitioner, got "
+                f"(or -1: in no client) per example, an integer tensor of shape [{total}], or a "
+                "partitioner, got "
                 f"{getattr(client_ids, 'dtype', type(client_ids).__name__)} of shape "
                 f"{list(getattr(client_ids, 'shape', ()))}. Fix: e.g. bridge_mr.data.IID(10)."
             )
         ids = client_ids.to("cpu", torch.int64)
-        order = torch.argsort(ids, stable=True)
-        counts = torch.bincount(ids)
+        kept = torch.nonzero(ids >= 0).flatten()
+        order = kept[torch.argsort(ids[kept], stable=True)]
+        counts = torch.bincount(ids[kept])
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
         target = {name: device or value.device for name, value in fields.items()}
         sorted_fields = {

@@ -160,13 +160,18 @@ class Shards:
     """Pathological label skew (McMahan et al., 2017): label-sorted shards, a few per client.
 
     The examples, shuffled and then sorted by label, are cut into `num_clients *
-    shards_per_client` near-equal shards; each client gets `shards_per_client` random ones, so
-    it sees about that many labels. Every example is kept.
+    shards_per_client` shards; each client gets `shards_per_client` random ones, so it sees
+    about that many labels. Without `shard_size` every example is kept (shards differ by at
+    most one example); with it, a random subset of `shards * shard_size` examples is cut into
+    equal shards and the rest is left out (id -1), as McMahan et al. and Flower's
+    `ShardPartitioner` do.
 
     Attributes:
       num_clients: how many clients, >= 1.
       shards_per_client: shards each client gets, >= 1.
       label: the examples' key holding one integer class per example.
+      shard_size: examples per shard (every client then holds `shards_per_client *
+        shard_size`), or None for near-equal shards of all the examples.
       seed: the shuffle's and the deal's seed.
 
     Example:
@@ -179,31 +184,36 @@ class Shards:
     num_clients: int
     shards_per_client: int = 2
     label: str = "y"
+    shard_size: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         _check_count("Shards", "num_clients", self.num_clients)
         _check_count("Shards", "shards_per_client", self.shards_per_client)
+        if self.shard_size is not None:
+            _check_count("Shards", "shard_size", self.shard_size)
         _check_seed("Shards", self.seed)
 
     def __call__(self, examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The client id (in [0, num_clients)) of each example, an int64 tensor [examples].
+        """The client id (in [0, num_clients); -1: left out) of each example, int64 [examples].
 
         Raises:
-          ValueError: the label key is missing or not integer, or fewer examples than shards.
+          ValueError: the label key is missing or not integer, or too few examples.
         """
         labels = _column("Shards", examples, self.label, "label")
         shards = self.num_clients * self.shards_per_client
-        if len(labels) < shards:
+        needed = shards * (self.shard_size or 1)
+        if len(labels) < needed:
             raise ValueError(
-                f"Shards: {self.num_clients} clients x {self.shards_per_client} shards need at "
-                f"least {shards} examples, got {len(labels)}. Fix: fewer clients or shards."
+                f"Shards: {self.num_clients} clients x {self.shards_per_client} shards of "
+                f"{self.shard_size or 'at least 1'} example(s) need {needed} examples, got "
+                f"{len(labels)}. Fix: fewer clients or shards, or a smaller shard_size."
             )
         rng = np.random.default_rng(self.seed)
-        shuffled = rng.permutation(len(labels))
+        shuffled = rng.permutation(len(labels))[: needed if self.shard_size else None]
         by_label = shuffled[np.argsort(labels[shuffled], kind="stable")]
         owner = rng.permutation(shards) % self.num_clients
-        ids = np.empty(len(labels), np.int64)
+        ids = np.full(len(labels), -1, np.int64)
         for shard, part in enumerate(np.array_split(by_label, shards)):
             ids[part] = owner[shard]
         return _ids(ids)

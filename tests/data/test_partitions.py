@@ -93,6 +93,21 @@ def test_shards_give_few_labels() -> None:
     assert torch.equal(torch.bincount(ids), torch.full((50,), 20))
 
 
+def test_equal_shards_leave_the_remainder_out() -> None:
+    examples = _examples()
+    ids = fd.Shards(num_clients=30, shards_per_client=2, shard_size=33, seed=0)(examples)
+    assert int((ids == -1).sum()) == N - 30 * 2 * 33
+    train = fd.FederatedDataset.from_tensors(examples, ids)  # -1: in no client
+    assert torch.equal(train.example_counts, torch.full((30,), 66))
+    assert int(train.examples["x"].shape[0]) == 30 * 66
+    for c in (0, 29):
+        assert torch.equal(train.client(c)["x"], examples["x"][ids == c])
+    hist = _label_histograms(ids.clamp(min=0), examples["y"], 30)
+    assert float((hist > 0).sum(1).float().mean()) <= 3.0  # about two labels each
+    with pytest.raises(ValueError, match=r"of 40 example\(s\) need 2400 examples, got 2000"):
+        fd.Shards(num_clients=30, shards_per_client=2, shard_size=40)(examples)
+
+
 def test_natural_key() -> None:
     users = torch.tensor([42, 7, 42, 1000, 7, 7])
     train = fd.FederatedDataset.from_tensors(
