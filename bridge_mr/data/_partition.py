@@ -52,10 +52,12 @@ def _ids(assignment: np.ndarray) -> torch.Tensor:
 class IID:
     """Shuffles the examples and deals them to `num_clients` clients in near-equal parts.
 
-    Client sizes differ by at most one example.
+    Client sizes differ by at most one example; with `examples_per_client`, every client holds
+    exactly that many (a random subset) and the rest is left out (id -1).
 
     Attributes:
       num_clients: how many clients, >= 1 (at most the number of examples).
+      examples_per_client: each client's exact size, or None to deal out every example.
       seed: the shuffle's seed.
 
     Example:
@@ -65,17 +67,32 @@ class IID:
     """
 
     num_clients: int
+    examples_per_client: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         _check_count("IID", "num_clients", self.num_clients)
+        if self.examples_per_client is not None:
+            _check_count("IID", "examples_per_client", self.examples_per_client)
         _check_seed("IID", self.seed)
 
     def __call__(self, examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The client id (in [0, num_clients)) of each example, an int64 tensor [examples]."""
+        """The client id (in [0, num_clients); -1: left out) of each example, int64 [examples].
+
+        Raises:
+          ValueError: fewer examples than the clients need.
+        """
         n = _num_examples(examples)
+        needed = self.num_clients * (self.examples_per_client or 1)
+        if n < needed:
+            raise ValueError(
+                f"IID: {self.num_clients} clients of {self.examples_per_client or 'at least 1'} "
+                f"example(s) need {needed} examples, got {n}. Fix: fewer clients."
+            )
         order = np.random.default_rng(self.seed).permutation(n)
-        ids = np.empty(n, np.int64)
+        if self.examples_per_client is not None:
+            order = order[:needed]
+        ids = np.full(n, -1, np.int64)
         for client, part in enumerate(np.array_split(order, self.num_clients)):
             ids[part] = client
         return _ids(ids)

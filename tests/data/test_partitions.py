@@ -56,6 +56,15 @@ def test_iid_sizes_and_labels() -> None:
     assert float((share - overall).abs().sum(1).max()) < 0.35
 
 
+def test_iid_of_a_fixed_size_leaves_the_rest_out() -> None:
+    examples = _examples()
+    ids = fd.IID(num_clients=7, examples_per_client=100, seed=0)(examples)
+    assert torch.equal(torch.bincount(ids[ids >= 0]), torch.full((7,), 100))
+    assert int((ids == -1).sum()) == N - 700
+    with pytest.raises(ValueError, match=r"IID: 7 clients of 300 example\(s\) need 2100"):
+        fd.IID(num_clients=7, examples_per_client=300)(examples)
+
+
 def test_dirichlet_alpha_controls_label_skew() -> None:
     examples = _examples()
     overall = torch.bincount(examples["y"], minlength=LABELS).float() / N
