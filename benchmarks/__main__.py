@@ -36,6 +36,7 @@ from . import (  # noqa: E402
     cases_models,
     cases_overhead,
     cases_processes,
+    cases_recurrent,
     cases_users_path,
     harness,
     report,
@@ -58,6 +59,7 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "beam": cases_beam.run,
     "users_path": cases_users_path.run,
     "data": cases_data.run,
+    "recurrent": cases_recurrent.run,
 }
 
 
