@@ -80,7 +80,7 @@ class FromTorch:
             # The torch code starts in grad mode whatever the caller's (map_reduce is often
             # called under torch.no_grad): only its own no_grad blocks stop gradients.
             torch.enable_grad(),
-            torch.device("jax"),
+            torchax_compat.device(),
             jax.numpy_dtype_promotion("standard"),
         ):
             # Functionalized: torchax copies the results of view ops, so an in-place write

@@ -123,6 +123,7 @@ def environment() -> Any:
         env.config.allow_mixed_math_with_scalar_tensor = False
         env.dispatch = functools.partial(_strict_dispatch, tx, env.dispatch)
         env.get_and_rotate_prng_key = functools.partial(_next_key, env)
+        torchax_compat.own_every_factory(env)  # every value inside is JAX's (see _move)
         env.override_op_definition(_aten.detach.default, _detach)
         env.override_op_definition(_aten.bernoulli.p, _bernoulli)
         env.override_op_definition(_aten.gather.default, _gather)
@@ -189,13 +190,18 @@ def _strict_dispatch(
     if kwargs and kwargs.get("device") is not None:
         # Every value inside is JAX's: a device taken from a traced tensor (a functionalization
         # wrapper reports "meta"), "cpu" or "cuda" all mean a JAX value.
-        kwargs = {**kwargs, "device": _JAX}
+        kwargs = {**kwargs, "device": torchax_compat.device()}
     if func is torch.Tensor.new_tensor:
         # torch's own makes a CPU tensor and moves it to its argument's device (meta, above).
         data = args[1] if len(args) > 1 else (kwargs or {})["data"]
         dtype = (kwargs or {}).get("dtype") or args[0].dtype
         return _strict_dispatch(
-            tx, dispatch, torch.tensor, (), (data,), {"dtype": dtype, "device": _JAX}
+            tx,
+            dispatch,
+            torch.tensor,
+            (),
+            (data,),
+            {"dtype": dtype, "device": torchax_compat.device()},
         )
     if not aten and any(torch_compat.is_functional_tensor(t) for t in tensors):
         # Functionalization's wrappers report the meta device and hold no values: torchax's own
@@ -238,8 +244,6 @@ def _strict_dispatch(
 
 
 _INT64_TRUNCATED = "Explicitly requested dtype int64 requested in .* is not available"
-
-_JAX = "jax"  # torchax registers the device name when it is imported
 
 
 class _JaxValue:
