@@ -29,17 +29,17 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 import bridge_mr
+from bridge_mr.data import FederatedDataset
 
 LOCAL_LR = 0.2
 LOCAL_STEPS = 4
@@ -51,46 +51,24 @@ NOISE_MULTIPLIERS = (0.5, 1.0, 2.0)
 Tensors = dict[str, torch.Tensor]
 
 
-@dataclasses.dataclass(frozen=True)
-class Digits:
-    """Client data `client_x` [clients, per_client, 64] in [0, 1] and labels; the test split."""
-
-    client_x: torch.Tensor
-    client_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-
-def load_digits(examples_per_client: int, seed: int) -> Digits:
-    """Digits as 64 features: a stratified 20% test split; the rest in shuffled equal shards.
+def load_digits(examples_per_client: int, seed: int) -> tuple[FederatedDataset, Tensors]:
+    """Digits as 64 features: a stratified 20% test split; the rest in equal IID shards.
 
     Args:
-      examples_per_client: images per client (>= 1); leftover images are dropped.
+      examples_per_client: images per client (>= 1); leftover images are left out.
       seed: the split's and the shuffle's seed.
 
     Returns:
-      The clients' shards and the test split.
+      The clients' shards (`bridge_mr.data.FederatedDataset`) and the test split.
     """
-    from sklearn.datasets import load_digits as sklearn_digits
-    from sklearn.model_selection import train_test_split
 
-    x, y = sklearn_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        (x / 16.0).astype(np.float32),
-        y.astype(np.int64),
-        test_size=0.2,
-        stratify=y,
-        random_state=seed,
-    )
-    n_clients = len(y_train) // examples_per_client
-    index = np.random.default_rng(seed).permutation(len(y_train))[: n_clients * examples_per_client]
-    index = index.reshape(n_clients, examples_per_client)
-    return Digits(
-        torch.from_numpy(x_train[index]),
-        torch.from_numpy(y_train[index]),
-        torch.from_numpy(x_test),
-        torch.from_numpy(y_test),
-    )
+    def equal_shards(examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        clients = len(examples["y"]) // examples_per_client
+        return bridge_mr.data.IID(clients, examples_per_client=examples_per_client, seed=seed)(
+            examples
+        )
+
+    return bridge_mr.data.digits(equal_shards, seed=seed)
 
 
 class MLP(nn.Module):
@@ -116,9 +94,9 @@ def client_loss(model: nn.Module, params: Tensors, batch: Tensors) -> torch.Tens
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: Digits) -> float:
+def accuracy(model: nn.Module, test: Tensors) -> float:
     """The fraction of the test split `model` classifies right."""
-    return (model(data.test_x).argmax(dim=-1) == data.test_y).float().mean().item()
+    return (model(test["x"]).argmax(dim=-1) == test["y"]).float().mean().item()
 
 
 @dataclasses.dataclass
@@ -134,7 +112,7 @@ class Run:
 
 def train(
     initial: nn.Module,
-    data: Digits,
+    data: tuple[FederatedDataset, Tensors],
     local: Any,
     *,
     noise_multiplier: float | None,
@@ -145,7 +123,7 @@ def train(
 
     Args:
       initial: the initial model (copied, not changed).
-      data: the clients and the test split.
+      data: the clients and the test split (`load_digits`).
       local: the clients' `bridge_mr.algorithms.local_training`.
       noise_multiplier: z, or None for the non-private reference.
       args: the command line.
@@ -159,27 +137,31 @@ def train(
     model.load_state_dict(initial.state_dict())
     params = dict(model.named_parameters())
     server = torch.optim.SGD(model.parameters(), lr=SERVER_LR, momentum=SERVER_MOMENTUM)
-    n_clients = data.client_y.shape[0]
-    sampler = alg.ClientSampler(n_clients, probability=args.q, generator=args.seed)
+    train_set, test = data
+    n_clients = train_set.num_clients
+    sampler = train_set.sampler(probability=args.q, generator=args.seed)
+    batch_order = torch.Generator().manual_seed(args.seed + 2)
     noise = torch.Generator().manual_seed(args.seed + 1)  # the noise's key: ours, not torch's
     delta = n_clients**-1.1
     accountant = None
     if noise_multiplier is not None:
         accountant = alg.PrivacyAccountant(noise_multiplier, sampler.sampling_probability)
-    # Every local step sees the client's whole shard: [clients, steps, per_client, ...].
-    stacked = {
-        "x": data.client_x.unsqueeze(1).expand(-1, LOCAL_STEPS, -1, -1),
-        "y": data.client_y.unsqueeze(1).expand(-1, LOCAL_STEPS, -1),
-    }
     run = Run(noise_multiplier, [], [], [], [])
     name = "no privacy" if noise_multiplier is None else f"z={noise_multiplier:g}"
     for round_index in range(args.rounds):
         cohort = sampler.sample()
-        batches = cohort.gather(stacked)
+        # Every local step sees the client's whole shard: [cohort, steps, per_client, ...].
+        rnd = train_set.round(
+            cohort,
+            batch_size=args.examples_per_client,
+            steps=LOCAL_STEPS,
+            epochs=LOCAL_STEPS,
+            padding=False,
+            generator=batch_order,
+        )
+        batches = {"x": rnd.batches["x"], "y": rnd.batches["y"]}  # no padding slot: no mask
         if accountant is None:
-            metrics = alg.outer_step(
-                local, params, batches, weights=cohort.weights(), strategy="vmap"
-            )
+            metrics = alg.outer_step(local, params, batches, weights=rnd.weights, strategy="vmap")
             clipped = 0.0
         else:
             metrics = alg.dp_outer_step(
@@ -190,7 +172,7 @@ def train(
                 noise_multiplier=accountant.noise_multiplier,
                 expected_clients=sampler.expected_cohort_size,
                 generator=noise,
-                mask=cohort.weights(),
+                mask=rnd.client_mask,
                 strategy="vmap",
             )
             clipped = float(metrics["clipped_fraction"])
@@ -198,7 +180,7 @@ def train(
         server.step()
         server.zero_grad()
         epsilon = math.inf if accountant is None else accountant.epsilon(delta)
-        run.accuracy.append(accuracy(model, data))
+        run.accuracy.append(accuracy(model, test))
         run.epsilon.append(epsilon)
         run.clients.append(cohort.size)
         run.clipped_fraction.append(clipped)
@@ -299,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     logging.getLogger("absl").setLevel(logging.ERROR)
     os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()  # before JAX's first computation
     data = load_digits(args.examples_per_client, args.seed)
-    n_clients = data.client_y.shape[0]
+    n_clients = data[0].num_clients
     torch.manual_seed(args.seed)
     initial = MLP()
     model = MLP()  # the module the converted loss calls (functional_call: parameters passed)
@@ -308,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     print(
         f"DP-FedAvg of an MLP ({sum(p.numel() for p in initial.parameters()):,} parameters) on "
         f"digits: {n_clients} clients x {args.examples_per_client} images, "
-        f"{len(data.test_y)} held out; {args.rounds} rounds, Poisson cohorts (q={args.q}, "
+        f"{len(data[1]['y'])} held out; {args.rounds} rounds, Poisson cohorts (q={args.q}, "
         f"expected {args.q * n_clients:.1f} clients), {LOCAL_STEPS} local SGD steps (lr "
         f"{LOCAL_LR}), deltas clipped to {args.clip}, server SGD lr {SERVER_LR} momentum "
         f"{SERVER_MOMENTUM}",
