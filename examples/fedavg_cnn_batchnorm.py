@@ -28,20 +28,21 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 import bridge_mr
+from bridge_mr.data import FederatedDataset
 
 LOCAL_LR = 0.1  # the clients' SGD learning rate
 LOCAL_STEPS = 10
@@ -51,20 +52,10 @@ Tensors = dict[str, torch.Tensor]
 Arrays = dict[str, jax.Array]
 
 
-# The data: client shards stacked on a leading client axis, and a held-out test split.
+# The data: equal client shards (bridge_mr.data), each round's batches, a held-out test split.
 
 
-@dataclasses.dataclass(frozen=True)
-class Digits:
-    """`client_x` [clients, per_client, 1, 8, 8] in [0, 1], `client_y` class indices (int64)."""
-
-    client_x: torch.Tensor
-    client_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-
-def load_digits(n_clients: int, seed: int) -> Digits:
+def load_digits(n_clients: int, seed: int) -> tuple[FederatedDataset, Tensors]:
     """Digits as 1x8x8 images: a stratified test split, the rest shuffled into equal shards.
 
     Args:
@@ -72,45 +63,42 @@ def load_digits(n_clients: int, seed: int) -> Digits:
       seed: the split's and the shuffle's seed.
 
     Returns:
-      The client shards (examples that do not fill a whole shard are dropped) and the test set.
+      The client shards (examples that do not fill a whole shard are left out) and the test
+      set ({"x": [360, 1, 8, 8], "y": [360]}).
 
     Raises:
       ValueError: `n_clients` is out of range.
     """
-    from sklearn.datasets import load_digits as sklearn_digits
-    from sklearn.model_selection import train_test_split
 
-    x, y = sklearn_digits(return_X_y=True)
-    images = (x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    x_train, x_test, y_train, y_test = train_test_split(
-        images, y.astype(np.int64), test_size=0.2, stratify=y, random_state=seed
-    )
-    if not 1 <= n_clients <= len(y_train):
-        raise ValueError(f"--clients must be between 1 and {len(y_train)}; got {n_clients}")
-    per_client = len(y_train) // n_clients
-    index = np.random.default_rng(seed).permutation(len(y_train))[: n_clients * per_client]
-    index = index.reshape(n_clients, per_client)
-    return Digits(
-        torch.from_numpy(x_train[index]),
-        torch.from_numpy(y_train[index]),
-        torch.from_numpy(x_test),
-        torch.from_numpy(y_test),
-    )
+    def equal_shards(examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        total = len(examples["y"])
+        if not 1 <= n_clients <= total:
+            raise ValueError(f"--clients must be between 1 and {total}; got {n_clients}")
+        iid = bridge_mr.data.IID(n_clients, examples_per_client=total // n_clients, seed=seed)
+        return iid(examples)
+
+    return bridge_mr.data.digits(equal_shards, shape=(1, 8, 8), seed=seed)
 
 
-def client_batches(data: Digits, *, rounds: int, seed: int) -> Iterator[Tensors]:
+def client_batches(train: FederatedDataset, *, rounds: int, seed: int) -> Iterator[Tensors]:
     """Each round, `LOCAL_STEPS` batches per client from its own shard: [clients, steps, b, ...].
 
-    The batches depend only on `seed`, so both trainings see the same data.
+    Passes over each shard, each in a fresh order, cut to the steps (no padding: the shards
+    are equal). The batches depend only on `seed`, so both trainings see the same data.
     """
     generator = torch.Generator().manual_seed(seed)
-    n_clients, per_client = data.client_y.shape
+    per_client = int(train.example_counts[0])
     batch_size = min(BATCH_SIZE, per_client)
-    clients = torch.arange(n_clients).view(-1, 1, 1)
+    passes = math.ceil(LOCAL_STEPS * batch_size / per_client)
     for _ in range(rounds):
-        keys = torch.rand(n_clients, LOCAL_STEPS, per_client, generator=generator)
-        index = keys.argsort(dim=-1)[..., :batch_size]
-        yield {"x": data.client_x[clients, index], "y": data.client_y[clients, index]}
+        batches = train.round(
+            batch_size=batch_size,
+            steps=LOCAL_STEPS,
+            epochs=passes,
+            padding=False,
+            generator=generator,
+        ).batches
+        yield {"x": batches["x"], "y": batches["y"]}
 
 
 # The model and its loss: torch, written once.
@@ -159,10 +147,10 @@ def batch_loss(model: nn.Module, state: Tensors, x: torch.Tensor, y: torch.Tenso
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: Digits) -> float:
+def accuracy(model: nn.Module, test: Tensors) -> float:
     """The fraction of the test split `model` (in eval mode: running statistics) gets right."""
     model.eval()
-    correct = model(data.test_x).argmax(dim=-1) == data.test_y
+    correct = model(test["x"]).argmax(dim=-1) == test["y"]
     model.train()
     return correct.float().mean().item()
 
@@ -269,7 +257,7 @@ def train(
     name: str,
     model: nn.Module,
     run_round: Callable[[int, Tensors], Tensors],
-    data: Digits,
+    data: tuple[FederatedDataset, Tensors],
     *,
     rounds: int,
     seed: int,
@@ -280,7 +268,7 @@ def train(
       name: the implementation's name, for the result.
       model: the server model, which `run_round` updates.
       run_round: `bridge_mr_fedavg(model, ...)` or `torch_fedavg(model)`.
-      data: the clients' shards and the test split.
+      data: the clients' shards and the test split (`load_digits`).
       rounds: how many rounds.
       seed: the batches' seed.
 
@@ -290,12 +278,13 @@ def train(
     losses: list[float] = []
     first_round = float("nan")
     start = time.perf_counter()
-    for round_index, batches in enumerate(client_batches(data, rounds=rounds, seed=seed)):
+    train_set, test = data
+    for round_index, batches in enumerate(client_batches(train_set, rounds=rounds, seed=seed)):
         losses.append(run_round(round_index, batches)["loss"].item())
         if round_index == 0:
             first_round = time.perf_counter() - start
     seconds = time.perf_counter() - start
-    return FedAvgRun(name, losses, accuracy(model, data), seconds, first_round)
+    return FedAvgRun(name, losses, accuracy(model, test), seconds, first_round)
 
 
 def positive_int(text: str) -> int:
@@ -334,13 +323,13 @@ def main(argv: Sequence[str] | None = None) -> list[FedAvgRun]:
     os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()  # before JAX's first computation
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     data = load_digits(args.clients, args.seed)
-    n_clients, per_client = data.client_y.shape
+    n_clients, per_client = data[0].num_clients, int(data[0].example_counts[0])
     torch.manual_seed(args.seed)
     initial = CNN()
     n_params = sum(p.numel() for p in initial.parameters())
     print(
         f"FedAvg of a CNN with BatchNorm ({n_params:,} parameters) on digits (1x8x8): "
-        f"{n_clients} clients x {per_client} examples, {len(data.test_y)} held out; "
+        f"{n_clients} clients x {per_client} examples, {len(data[1]['y'])} held out; "
         f"{rounds} rounds of {LOCAL_STEPS} local SGD steps (lr={LOCAL_LR}, batch "
         f"{min(BATCH_SIZE, per_client)}); the server takes the mean of the parameters and "
         f"buffers; bridge_mr.map_reduce strategy={args.strategy}",
