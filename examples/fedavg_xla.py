@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
+import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +34,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 import bridge_mr
+from bridge_mr.data import FederatedDataset
 
 # No JAX computation before `torch_xla.device()` below: torch-xla's runtime must own the TPU
 # before JAX could start a backend of its own (importing JAX starts none).
@@ -42,66 +45,62 @@ ROUNDS, QUICK_ROUNDS = 60, 5
 Tensors = dict[str, torch.Tensor]
 
 
-# The data: client shards stacked on a leading client axis, and a held-out test split.
+# The data (bridge_mr.data): the clients' examples on the XLA device, a held-out test split.
 
 
-@dataclasses.dataclass(frozen=True)
-class Digits:
-    """`client_x` [clients, per_client, 64] in [0, 1], `client_y` one-hot [..., 10]."""
+def load_digits(
+    n_clients: int, seed: int, device: torch.device
+) -> tuple[FederatedDataset, Tensors]:
+    """Digits with label skew (McMahan et al., 2017): each client gets 2 label-sorted shards.
 
-    client_x: torch.Tensor
-    client_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-
-
-def load_digits(n_clients: int, seed: int) -> Digits:
-    """Digits with label skew (McMahan et al., 2017): each client gets 2 label-sorted shards."""
-    from sklearn.datasets import load_digits as sklearn_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = sklearn_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        (x / 16.0).astype(np.float32), y, test_size=0.2, stratify=y, random_state=seed
-    )
-    shard = len(y_train) // (2 * n_clients)
-    rng = np.random.default_rng(seed)
-    kept = rng.permutation(len(y_train))[: 2 * n_clients * shard]
-    shards = kept[np.argsort(y_train[kept], kind="stable")].reshape(2 * n_clients, shard)
-    index = shards[rng.permutation(2 * n_clients)].reshape(n_clients, 2 * shard)
-    one_hot = np.eye(10, dtype=np.float32)[y_train]
-    return Digits(
-        torch.from_numpy(x_train[index]),
-        torch.from_numpy(one_hot[index]),
-        torch.from_numpy(x_test),
-        torch.from_numpy(y_test.astype(np.int64)),
-    )
-
-
-def place(data: Digits, device: torch.device, spmd: bool) -> tuple[Digits, str]:
-    """`data` on `device`; under SPMD the client tensors sharded along the global mesh.
-
-    Returns the data and how the client tensors are sharded.
+    Returns the clients' examples ("x" [64] in [0, 1], "y" one-hot [10]) on `device`, and the
+    test split there ("y": class indices).
     """
-    on_device = Digits(*(t.to(device) for t in dataclasses.astuple(data)))
-    if not spmd:
-        return on_device, "one device"
-    mesh = xs.get_global_mesh()
-    sharded = xs.mark_sharding(on_device.client_x, mesh, ("clients", None, None))
-    xs.mark_sharding(on_device.client_y, mesh, ("clients", None, None))
-    return on_device, sharded.sharding_spec
+
+    def shards(examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        size = len(examples["y"]) // (2 * n_clients)
+        return bridge_mr.data.Shards(n_clients, shard_size=size, seed=seed)(examples)
+
+    train, test = bridge_mr.data.digits(shards, seed=seed)
+    one_hot = torch.nn.functional.one_hot(train.examples["y"], 10).to(torch.float32)
+    examples = {"x": train.examples["x"], "y": one_hot}
+    return FederatedDataset(examples, train.offsets).to(device), {
+        name: value.to(device) for name, value in test.items()
+    }
 
 
-def client_batches(data: Digits, *, rounds: int, batch_size: int, seed: int) -> Iterator[Tensors]:
-    """Each round: `LOCAL_STEPS` batches per client from its own shard, [clients, steps, b, ...]."""
+def client_batches(
+    train: FederatedDataset, *, rounds: int, batch_size: int, seed: int, spmd: bool
+) -> Iterator[Tensors]:
+    """Each round: `LOCAL_STEPS` batches per client from its own shard, [clients, steps, b, ...].
+
+    One gather on the XLA device per field (`FederatedDataset.round`: passes over each shard,
+    each in a fresh order, cut to the steps); under SPMD the batches are sharded along the
+    global mesh's "clients" axis.
+    """
     generator = torch.Generator().manual_seed(seed)
-    n_clients, per_client = data.client_x.shape[:2]
-    device = data.client_x.device
-    clients = torch.arange(n_clients, device=device).view(-1, 1, 1)
+    passes = math.ceil(LOCAL_STEPS * batch_size / int(train.example_counts[0]))
     for _ in range(rounds):
-        keys = torch.rand(n_clients, LOCAL_STEPS, per_client, generator=generator)
-        index = keys.argsort(dim=-1)[..., :batch_size].to(device)
-        yield {"x": data.client_x[clients, index], "y": data.client_y[clients, index]}
+        batches = train.round(
+            batch_size=batch_size,
+            steps=LOCAL_STEPS,
+            epochs=passes,
+            padding=False,
+            generator=generator,
+        ).batches
+        batch = {"x": batches["x"], "y": batches["y"]}
+        if spmd:
+            shard_clients(batch)
+        yield batch
+
+
+def shard_clients(batch: Tensors) -> str:
+    """Shards every tensor of `batch` along the global mesh's "clients" axis; returns how."""
+    specs = [
+        xs.mark_sharding(value, xs.get_global_mesh(), ("clients",) + (None,) * (value.ndim - 1))
+        for value in batch.values()
+    ]
+    return specs[0].sharding_spec
 
 
 # The model, in torch and as a JAX function of its parameters.
@@ -191,7 +190,7 @@ class FedAvgRun:
 
 
 def train_fedavg(
-    name: str, model: torch.nn.Module, data: Digits, rounds: Iterator[Tensors]
+    name: str, model: torch.nn.Module, test: Tensors, rounds: Iterator[Tensors]
 ) -> FedAvgRun:
     """FedAvg: the clients' mean delta is the pseudo-gradient of a server SGD (lr 1) step.
 
@@ -213,7 +212,7 @@ def train_fedavg(
         losses.append(update["loss"].item())
         seconds.append(time.perf_counter() - start)
     with torch.no_grad():
-        correct = model(data.test_x).argmax(dim=-1) == data.test_y
+        correct = model(test["x"]).argmax(dim=-1) == test["y"]
     return FedAvgRun(name, losses, seconds, correct.float().mean().item())
 
 
@@ -256,15 +255,21 @@ def main(argv: Sequence[str] | None = None) -> ExampleResult:
         xs.set_global_mesh(xs.Mesh(np.arange(n_devices), (n_devices,), ("clients",)))
     device = torch_xla.device()
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
-    data, client_sharding = place(load_digits(args.clients, args.seed), device, spmd)
-    n_clients, per_client = data.client_x.shape[:2]
+    train, test = load_digits(args.clients, args.seed, device)
+    n_clients, per_client = train.num_clients, int(train.example_counts[0])
     batch_size = min(32, per_client)
+    rounds_of = functools.partial(
+        client_batches, train, batch_size=batch_size, seed=args.seed, spmd=spmd
+    )
+    # A first round's batches (unsharded, unused), to say how the rounds' batches are sharded.
+    first = next(client_batches(train, rounds=1, batch_size=batch_size, seed=args.seed, spmd=False))
+    client_sharding = shard_clients(first) if spmd else "one device"
     torch.manual_seed(args.seed)
     initial = MLP().to(device)
     torch_xla.sync()
     print(
         f"FedAvg on {device} ({n_devices} device(s), SPMD {'on' if spmd else 'off'}): "
-        f"{n_clients} clients x {per_client} digits, client data sharded as "
+        f"{n_clients} clients x {per_client} digits, each round's client batches sharded as "
         f"{client_sharding}; {rounds} rounds of {LOCAL_STEPS} local SGD steps "
         f"(lr={LOCAL_LR}, batch {batch_size})",
         flush=True,
@@ -272,8 +277,7 @@ def main(argv: Sequence[str] | None = None) -> ExampleResult:
     names = IMPLEMENTATIONS[:1] if args.no_baseline else IMPLEMENTATIONS
     runs = []
     for name in names:
-        batches = client_batches(data, rounds=rounds, batch_size=batch_size, seed=args.seed)
-        run = train_fedavg(name, copy.deepcopy(initial), data, batches)
+        run = train_fedavg(name, copy.deepcopy(initial), test, rounds_of(rounds=rounds))
         print(
             f"  {name:<10}  loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}  "
             f"test accuracy {run.accuracy:6.1%}  first two rounds (compiling) "

@@ -18,7 +18,7 @@ def test_quick_run_trains_the_same_model_as_pure_torch_xla(
 ) -> None:
     output = child_stdout([str(EXAMPLE), "--quick"])
     assert "(4 device(s), SPMD on)" in output
-    assert re.search(r"client data sharded as \{devices=\[4,1,1\]", output), output
+    assert re.search(r"client batches sharded as \{devices=\[4,1,1,1\]", output), output
     runs = dict(re.findall(r"^  (\S+) +loss (\d+\.\d+ -> \d+\.\d+)", output, re.MULTILINE))
     assert set(runs) == {"bridge_mr", "torch.func"}, output
     assert runs["bridge_mr"] == runs["torch.func"]  # the same losses, to 4 decimals
