@@ -74,11 +74,9 @@ def _dispatch(
         # torch's modules call these positionally; a keyword call keeps torch's own lowering.
         return dispatch(func, types, args, kwargs)
     _, mode, layer = found
-    if mode == _LSTM:
-        packed = isinstance(args[1], torch.Tensor)  # (data, batch_sizes, hx, ...) when packed
-    else:
-        packed = isinstance(args[2], torch.Tensor)  # (data, batch_sizes, hx, ...) when packed
-    if packed:
+    # Packed: (data, batch_sizes, hx, params, ...); else LSTM's (input, (h0, c0), params, ...)
+    # and the others' (input, h0, params, ...).
+    if isinstance(args[1 if mode == _LSTM else 2], torch.Tensor):
         _refuse_packing(error, where, f"{layer} on a PackedSequence")
     input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
     h0, c0 = hx if mode == _LSTM else (hx, None)

@@ -163,6 +163,24 @@ def test_vmap_and_an_eager_call_match_torch() -> None:
     assert float(eager) == pytest.approx(_torch_value_and_grads(loss, params, examples[0])[0])
 
 
+def test_unbatched_input_matches_torch() -> None:
+    torch.manual_seed(0)
+    layer = nn.LSTM(FEATURES, HIDDEN, num_layers=2, bidirectional=True)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    data = {
+        "x": torch.randn(TIME, FEATURES, generator=g),  # [time, features]: no batch axis
+        "probe": torch.randn(TIME, 2 * HIDDEN, generator=g),
+    }
+    loss = _loss(layer)
+    value, grads = jax.jit(jax.value_and_grad(bridge_mr.from_torch(loss), argnums=(0, 1)))(
+        _jax(params), _jax(data)
+    )
+    want_value, want = _torch_value_and_grads(loss, params, data)
+    assert float(value) == pytest.approx(want_value, rel=5e-6)
+    _assert_close({**grads[0], **grads[1]}, want, 5e-6)
+
+
 @pytest.mark.parametrize("strategy", ["vmap", "per_client", "chunks", "auto"])
 def test_map_reduce_strategies_match_a_torch_loop(strategy: Any) -> None:
     layer, _ = _layer("gru_3_layers_bidirectional_h0", torch.float32)
@@ -279,6 +297,7 @@ class AudioConvGRU(nn.Module):
         return self.head(out.mean(1))
 
 
+@pytest.mark.slow
 def test_the_shakespeare_lstm_matches_torch_at_80_characters() -> None:
     model = case.shakespeare_model()
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -298,6 +317,7 @@ def test_the_shakespeare_lstm_matches_torch_at_80_characters() -> None:
 
 # Float32: 1.6e-5 measured (BatchNorm statistics and convolution gradients in float32, see
 # test_model_zoo.py; the float64 leg shows both sides compute the same).
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "rtol"), precisions(float64=1e-9, float32=1e-4))
 def test_the_audio_model_over_100_frames_matches_a_torch_loop_in_map_reduce(
     dtype: torch.dtype, rtol: float
