@@ -59,6 +59,7 @@ from torch import nn
 from torch.func import functional_call
 
 import bridge_mr
+from bridge_mr.data import FederatedDataset
 
 VOCAB = 256  # bytes
 HELD_OUT_MOD = 8  # modules whose crc32 is 0 mod this are held out
@@ -177,13 +178,37 @@ def windows(
     return torch.from_numpy(text[starts[..., None] + np.arange(length)].astype(np.int64))
 
 
-def round_batches(corpus: Corpus, cfg: Config, rng: np.random.Generator) -> torch.Tensor:
-    """One round's batches: [replicas, H, batch, context + 1] windows of each replica's text."""
-    per_replica = [
-        windows(text, (cfg.inner_steps, cfg.batch), cfg.context + 1, rng)
-        for text in corpus.replicas
-    ]
-    return torch.stack(per_replica)
+def replica_windows(corpus: Corpus, context: int) -> FederatedDataset:
+    """Each replica's text cut into windows of `context + 1` bytes: one client per replica.
+
+    Args:
+      corpus: the replicas' texts.
+      context: the tokens the model predicts per window.
+
+    Returns:
+      A `bridge_mr.data.FederatedDataset` of uint8 windows ("tokens" [context + 1]); the
+      bytes after a replica's last whole window are left out.
+    """
+    width = context + 1
+    return FederatedDataset.from_clients(
+        {
+            replica: {
+                "tokens": torch.from_numpy(text[: len(text) // width * width].copy()).view(
+                    -1, width
+                )
+            }
+            for replica, text in enumerate(corpus.replicas)
+        }
+    )
+
+
+def round_batches(train: FederatedDataset, cfg: Config, generator: torch.Generator) -> torch.Tensor:
+    """One round's batches: [replicas, H, batch, context + 1] token ids, each replica's windows
+    drawn without replacement (one gather of `FederatedDataset.round`)."""
+    batches = train.round(
+        batch_size=cfg.batch, steps=cfg.inner_steps, padding=False, generator=generator
+    ).batches
+    return batches["tokens"].long()
 
 
 # The model and its loss: torch, written once.
@@ -378,14 +403,18 @@ class Run:
 
 
 def train(
-    method: str, initial: nn.Module, corpus: Corpus, eval_batch: torch.Tensor, cfg: Config
+    method: str,
+    initial: nn.Module,
+    train_set: FederatedDataset,
+    eval_batch: torch.Tensor,
+    cfg: Config,
 ) -> Run:
     """Trains a copy of `initial` with `method` for `cfg.rounds` rounds of H steps each.
 
     Args:
       method: one of `METHODS`.
       initial: the initial model (copied, not changed).
-      corpus: the replicas' texts.
+      train_set: the replicas' windows (`replica_windows`).
       eval_batch: the held-out windows.
       cfg: the sizes; `cfg.seed` fixes the batches (the same for every method).
 
@@ -396,14 +425,14 @@ def train(
 
     model = copy.deepcopy(initial)
     run_round = BUILDERS[method](model, cfg)
-    rng = np.random.default_rng(cfg.seed + 1)
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     result = Run(method, [0], [held_out_loss(model, eval_batch)], [], 0.0, 0.0, 0.0)
     result.bytes_per_step = bytes_per_step(method, param_bytes, cfg)
     bar = tqdm(total=cfg.total_steps, desc=f"{LABELS[method]:>19}", unit="step", leave=True)
     start = time.perf_counter()
     for round_index in range(cfg.rounds):
-        result.train.append(run_round(round_batches(corpus, cfg, rng)))
+        result.train.append(run_round(round_batches(train_set, cfg, generator)))
         if round_index == 0:
             result.first_round_seconds = time.perf_counter() - start
         result.steps.append((round_index + 1) * cfg.inner_steps)
@@ -512,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{OUTER_LR} momentum {OUTER_MOMENTUM}; map_reduce strategy {cfg.strategy}.",
         flush=True,
     )
-    runs = [train(method, initial, corpus, eval_batch, cfg) for method in METHODS]
+    train_set = replica_windows(corpus, cfg.context)
+    runs = [train(method, initial, train_set, eval_batch, cfg) for method in METHODS]
     print(f"\nheld-out loss (perplexity) after each round of {cfg.inner_steps} steps:")
     print("  steps " + "".join(f"{LABELS[run.method]:>22}" for run in runs))
     for i, steps in enumerate(runs[0].steps):
