@@ -20,7 +20,7 @@ def test_the_diloco_block_runs(capsys: pytest.CaptureFixture[str]) -> None:
     import jax
 
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    (block,) = [b for b in blocks if "alg.outer_step" in b]
+    (block,) = [b for b in blocks if "alg.outer_step" in b and "nesterov=True" in b]
     namespace: dict[str, object] = {}
     with jax.numpy_dtype_promotion("standard"):  # README code is user code.
         exec(compile(block, "README algorithms block", "exec"), namespace)
