@@ -253,6 +253,39 @@ def test_the_traced_program_does_not_grow_with_the_sequence_length() -> None:
     assert equations(10) == equations(200)
 
 
+def test_a_cell_as_the_body_of_a_jax_scan_matches_torchs_loop() -> None:
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(FEATURES, HIDDEN)
+    params = {k: v.detach() for k, v in cell.named_parameters()}
+    x = torch.randn(TIME, BATCH, FEATURES, generator=torch.Generator().manual_seed(1))
+
+    def step(p: dict[str, Any], x_t: Any, h: Any, c: Any) -> Any:
+        return torch.func.functional_call(cell, p, (x_t, (h, c)))
+
+    def torch_loss(p: dict[str, Any], data: dict[str, Any]) -> Any:
+        h = c = torch.zeros(BATCH, HIDDEN, dtype=data["x"].dtype)
+        for x_t in data["x"]:
+            h, c = step(p, x_t, h, c)
+        return (h * h).sum() + c.sum()
+
+    converted = bridge_mr.from_torch(step)
+
+    def jax_loss(p: Any, x: Any) -> Any:
+        def body(state: Any, x_t: Any) -> Any:
+            return converted(p, x_t, *state), None
+
+        zeros = jnp.zeros((BATCH, HIDDEN))
+        (h, c), _ = jax.lax.scan(body, (zeros, zeros), x)
+        return (h * h).sum() + c.sum()
+
+    step_jaxpr = jax.make_jaxpr(jax_loss)(_jax(params), _jax(x))
+    assert [e.params["length"] for e in step_jaxpr.eqns if e.primitive.name == "scan"] == [TIME]
+    value, grads = jax.jit(jax.value_and_grad(jax_loss))(_jax(params), _jax(x))
+    want_value, want = _torch_value_and_grads(torch_loss, params, {"x": x})
+    assert float(value) == pytest.approx(want_value, rel=5e-6)
+    _assert_close(grads, {k: want[k] for k in params}, 5e-6)
+
+
 def test_packed_sequences_are_refused_with_the_fix() -> None:
     layer = nn.GRU(FEATURES, HIDDEN)
     params = _jax({k: v.detach() for k, v in layer.named_parameters()})
