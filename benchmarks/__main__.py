@@ -4,28 +4,23 @@
 
 Prints a table per case and the targets, and writes results.json, results.md and PNG plots to
 --out (default benchmarks/results, or benchmarks/results/quick with --quick). Run from the
-repository root. XLA_FLAGS is set to `bridge_mr.recommended_xla_flags()` before JAX starts a
-backend (on jaxlib >= 0.10 that adds --xla_cpu_experimental_ynn_fusion_type=-reduce, for a CPU
-slowdown: jax-ml/jax#37465); child processes inherit it.
+repository root. No XLA flag is set: bridge_mr chooses XLA's CPU options per program
+(`bridge_mr.jax_core.cpu_compiler_options`); the XLA_FLAGS a run had are reported.
 """
 
 from __future__ import annotations
 
-from . import environment
+import argparse
+import dataclasses
+import datetime
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from typing import Any
 
-XLA_FLAGS = environment.configure()  # Before JAX starts a backend.
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-from . import (  # noqa: E402
+from . import (
     cases_beam,
     cases_boundary,
     cases_data,
@@ -38,11 +33,14 @@ from . import (  # noqa: E402
     cases_processes,
     cases_recurrent,
     cases_users_path,
+    environment,
     harness,
     report,
     workloads,
 )
-from .workloads import users  # noqa: E402
+from .workloads import users
+
+XLA_FLAGS = os.environ.get("XLA_FLAGS", "")  # As the user set them: bridge_mr sets none.
 
 CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "boundary": cases_boundary.run,

@@ -4,7 +4,7 @@ Usage: python -m benchmarks._child '{"alternative": ..., "config": {...}, "calls
 ("workload": "round" makes "config" a `workloads.RoundConfig`, else a `FedConfig`)
 Prints one JSON line {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} (ru_maxrss is in KiB on
 Linux); exits non-zero if the round cannot be built or fails. XLA_FLAGS comes from the parent's
-environment (`environment.configure` there).
+environment.
 """
 
 from __future__ import annotations

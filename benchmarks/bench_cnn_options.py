@@ -175,7 +175,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from .environment import configure
-
-    configure()  # Before JAX starts a backend: recommended_xla_flags().
     sys.exit(main(sys.argv[1:]))

@@ -9,14 +9,10 @@ tensors on the chosen device, timed by the suite's harness and printed as a tabl
 
 from __future__ import annotations
 
-from . import environment
+import argparse
+import sys
 
-environment.configure()  # Before JAX starts a backend.
-
-import argparse  # noqa: E402
-import sys  # noqa: E402
-
-from . import cases_boundary, harness, report  # noqa: E402
+from . import cases_boundary, environment, harness, report
 
 
 def main(argv: list[str]) -> int:

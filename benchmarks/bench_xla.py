@@ -19,26 +19,20 @@ prints them as one JSON line.
 
 from __future__ import annotations
 
-from . import environment
-
-# Where torch_xla is installed this leaves the YNN flag out (torch_xla's XLA aborts on it),
-# also when inherited from a parent that set it.
-environment.configure()
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
 
 # torch_xla's runtime before any JAX backend: it must own the device (TPU) first.
-import torch_xla  # noqa: E402
-import torch_xla.debug.metrics as metrics  # noqa: E402
+import torch_xla
+import torch_xla.debug.metrics as metrics
 
-from . import harness, report, workloads  # noqa: E402
-from .workloads import FedConfig  # noqa: E402
+from . import harness, report, workloads
+from .workloads import FedConfig
 
 BASELINE = "torch_xla"
 #: Untimed rounds first: the first round compiles, and pure torch-xla sometimes compiles a

@@ -255,8 +255,7 @@ def xla_rows(
     case.notes.append(
         f"torch-xla rows (suffix /xla, `python -m benchmarks.bench_xla`): torch {result['torch']}, "
         f"torch_xla {result['torch_xla']} on {result['device']} (PJRT_DEVICE=CPU), XLA_FLAGS "
-        f"{result['xla_flags']!r} (bridge_mr.recommended_xla_flags leaves the YNN flag out "
-        "where torch_xla is installed: its XLA aborts on it); a separate process unless run in "
+        f"{result['xla_flags']!r}; a separate process unless run in "
         "that environment; its alternatives are interleaved with each other only, baseline "
         "torch_xla (pure torch-xla: torch.func.vmap + functional_call on the XLA device). Only "
         "the small model up to 64 clients and the medium one at 8 (time budget)."

@@ -11,18 +11,6 @@ from importlib import metadata
 from typing import Any
 
 
-def configure() -> str:
-    """Sets this process's (and its children's) XLA_FLAGS to `bridge_mr.recommended_xla_flags()`.
-
-    Call it before JAX's first computation: XLA reads XLA_FLAGS when JAX starts its first
-    backend. Returns the flags.
-    """
-    from bridge_mr import recommended_xla_flags
-
-    os.environ["XLA_FLAGS"] = recommended_xla_flags()
-    return os.environ["XLA_FLAGS"]
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -1,66 +1,44 @@
-"""The XLA_FLAGS bridge_mr recommends, computed without importing torch or JAX.
+"""`recommended_xla_flags`, kept for old callers: bridge_mr no longer recommends a process flag.
 
-XLA reads XLA_FLAGS once, when JAX creates its first backend (the first `jax.devices()`, array
-or jitted call), not at `import jax`; so the flags must be in `os.environ` before then.
+bridge_mr used to recommend `--xla_cpu_experimental_ynn_fusion_type=-reduce` in XLA_FLAGS (a
+jaxlib 0.10 CPU slowdown, jax-ml/jax#37465). A process-wide flag covers every program of the
+process, the user's too, and made transformer rounds 2.6x slower; bridge_mr now chooses that
+option per program when it compiles one (`bridge_mr.jax_core.cpu_compiler_options`), so there
+is nothing to set. Imports neither torch nor JAX.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
-from importlib import metadata
-
-#: jaxlib 0.10's CPU YNNPACK reduce fusion makes scan-of-vmap gradients (the chunked map-reduce
-#: path) much slower (jax-ml/jax#37465); `-reduce` turns that fusion off.
-YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-YNN_WORKAROUND = f"{YNN_FUSION_FLAG}=-reduce"
-
-_YNN_TOKEN = re.compile(rf"(?<!\S){re.escape(YNN_FUSION_FLAG)}(?:=\S*)?(?!\S)")
-
-
-def _jaxlib_version() -> tuple[int, int] | None:
-    """jaxlib's (major, minor) from its package metadata, or None if it is not installed."""
-    try:
-        version = metadata.version("jaxlib")
-    except metadata.PackageNotFoundError:
-        return None
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else None
+import warnings
 
 
 def recommended_xla_flags(flags: str | None = None) -> str:
-    """XLA_FLAGS with the workaround bridge_mr recommends for this environment added.
+    """Deprecated: XLA_FLAGS as given; bridge_mr needs no process-wide XLA flag any more.
 
-    Adds `--xla_cpu_experimental_ynn_fusion_type=-reduce` (jax-ml/jax#37465: on jaxlib >= 0.10
-    YNNPACK's reduce fusion slows gradients of scanned, vmapped programs on CPU many times)
-    where it applies:
-
-    * jaxlib >= 0.10 only: older jaxlibs do not know the flag and abort on it.
-    * Never where torch_xla is installed: torch_xla 2.9's own XLA parses XLA_FLAGS too and
-      aborts on flags it does not know. There the flag is removed, even when inherited.
-    * A value of the flag that `flags` already holds is kept as it is.
-
-    Every other flag is kept, in order. Imports neither torch nor JAX, and changes nothing:
-    assign the result to `os.environ["XLA_FLAGS"]` before JAX's first computation (before its
-    first backend starts; after `import jax` is fine).
+    bridge_mr compiles each of its CPU programs with the XLA options that program runs best
+    with (`bridge_mr.jax_core.cpu_compiler_options`), so setting a flag for the whole process
+    (which would reach your own programs too) is no longer recommended. Returns `flags` (or
+    `os.environ["XLA_FLAGS"]`) unchanged and warns; it will be removed.
 
     Args:
-      flags: the XLA_FLAGS to start from; None (default) reads `os.environ["XLA_FLAGS"]`
-        (empty if unset).
+      flags: XLA_FLAGS; None (default) reads `os.environ["XLA_FLAGS"]` (empty if unset).
 
     Returns:
-      The flags to use, space-separated.
+      The flags, unchanged.
 
     Example:
-      >>> import os, bridge_mr
-      >>> os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()
-      >>> import jax  # the backend that starts later reads the recommended flags
+      >>> import warnings, bridge_mr
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore", DeprecationWarning)
+      ...     bridge_mr.recommended_xla_flags("--xla_dump_to=/tmp/x")
+      '--xla_dump_to=/tmp/x'
     """
-    text = os.environ.get("XLA_FLAGS", "") if flags is None else flags
-    if importlib.util.find_spec("torch_xla") is not None:
-        return " ".join(_YNN_TOKEN.sub("", text).split()) if _YNN_TOKEN.search(text) else text
-    version = _jaxlib_version()
-    if version is None or version < (0, 10) or _YNN_TOKEN.search(text):
-        return text
-    return f"{text} {YNN_WORKAROUND}".strip()
+    warnings.warn(
+        "bridge_mr.recommended_xla_flags() is deprecated and returns XLA_FLAGS unchanged: "
+        "bridge_mr chooses XLA's CPU options per program (bridge_mr.jax_core."
+        "cpu_compiler_options), so no process-wide flag is needed. Remove the call.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return os.environ.get("XLA_FLAGS", "") if flags is None else flags

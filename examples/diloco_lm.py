@@ -44,7 +44,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import sysconfig
 import time
 import zlib
@@ -521,7 +520,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Trains the three ways; prints the per-round table; writes metrics.json and the plot."""
     cfg, out = parse_args(argv)
-    os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()  # before JAX's first computation
     corpus = split_corpus(stdlib_modules(Path(sysconfig.get_paths()["stdlib"])), cfg.replicas)
     eval_batch = windows(
         corpus.held_out, (cfg.eval_windows,), cfg.context + 1, np.random.default_rng(cfg.seed)

@@ -28,7 +28,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -279,7 +278,6 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     # dp-accounting logs (absl, WARNING) each Renyi order it drops from the RDP bound as it
     # computes epsilon; the bound over the remaining orders is still valid.
     logging.getLogger("absl").setLevel(logging.ERROR)
-    os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()  # before JAX's first computation
     data = load_digits(args.examples_per_client, args.seed)
     n_clients = data[0].num_clients
     torch.manual_seed(args.seed)

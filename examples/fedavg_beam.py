@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import bridge_mr
 from bridge_mr import jax_core
 
 CHANNELS, CLASSES, SIDE = 8, 10, 8
@@ -267,7 +265,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> FedAvgRun:
     """Trains the CNN with FedAvg on Beam; prints and returns the run."""
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()  # before JAX's first computation
     data = load_digits(args.clients, args.seed)
     where = {
         "dask": f"Beam's DaskRunner on a LocalCluster of {DASK_WORKERS} worker processes",

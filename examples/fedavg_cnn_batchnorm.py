@@ -29,7 +29,6 @@ import argparse
 import copy
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -320,7 +319,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[FedAvgRun]:
     """Trains the CNN with FedAvg both ways; prints and returns the two runs."""
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()  # before JAX's first computation
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     data = load_digits(args.clients, args.seed)
     n_clients, per_client = data[0].num_clients, int(data[0].example_counts[0])

@@ -12,8 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-# XLA_FLAGS: tests/conftest.py applies bridge_mr.recommended_xla_flags() (the jaxlib 0.10 CPU
-# workaround in the main environment, never where torch_xla is installed).
+# XLA_FLAGS: tests/conftest.py adds 8 simulated CPU devices, nothing else (bridge_mr chooses
+# XLA's CPU options per program).
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 VENV=${BRIDGE_MR_VENV:-.venv}

@@ -12,7 +12,8 @@ runs them in their own leg, in each environment:
 An `x64`-marked test collected with x64 off is skipped, its reason naming BRIDGE_MR_X64=1. A
 test that leaves the process-wide x64 or promotion setting changed fails.
 
-XLA_FLAGS must be set before JAX creates its CPU backend, so this runs at import time of the
+XLA_FLAGS (8 simulated CPU devices, nothing else: bridge_mr chooses XLA's CPU options per
+program) must be set before JAX creates its CPU backend, so this runs at import time of the
 conftest, which pytest loads before any test module; so does pointing bridge_mr's cache directory
 (`strategy="auto"`'s decisions) at a temporary directory.
 """
@@ -24,17 +25,15 @@ import os
 import tempfile
 from collections.abc import Iterator
 
-from bridge_mr import recommended_xla_flags
-
 _DEVICE_COUNT = "--xla_force_host_platform_device_count"
 
 
 def _configure_xla_flags() -> None:
-    """8 simulated CPU devices (unless XLA_FLAGS sets a count) and bridge_mr's recommended flags."""
+    """8 simulated CPU devices (unless XLA_FLAGS sets a count)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if not any(flag.split("=", 1)[0] == _DEVICE_COUNT for flag in flags.split()):
         flags = f"{flags} {_DEVICE_COUNT}=8".strip()
-    os.environ["XLA_FLAGS"] = recommended_xla_flags(flags)
+    os.environ["XLA_FLAGS"] = flags
 
 
 def _x64_requested() -> bool:

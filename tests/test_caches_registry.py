@@ -40,8 +40,8 @@ NOT_CACHES = {
     "bridge_mr.dlpack._import._FLAGS": "a constant table",
     "bridge_mr.dlpack._runtime._cache_generation": "the backends the device cache was filled "
     "from, compared by identity",
-    "bridge_mr.jax_core._layouts._NO_YNN_FUSIONS": "a constant table",
     "bridge_mr.torch_fn._environment._ENVIRONMENT": "the torchax environment, built once",
+    "bridge_mr.torch_fn._recurrent._GATES": "a constant table",
     "bridge_mr.torch_api._function._ALL": "the live torch functions, whose entries each clear "
     "(registered through register_clear as 'torch function traces')",
     "bridge_mr.torch_api._custom_op._functions": "uid -> compilable torch function, weakly: "

@@ -36,7 +36,6 @@ def test_import_bridge_mr_and_a_plain_jax_program_leave_torch_out():
         _PLAIN_JAX_PROGRAM,
         """
         bridge_mr.clear_caches()
-        bridge_mr.recommended_xla_flags()
         assert "torch" not in sys.modules, "torch was imported"
         """,
     )

@@ -11,8 +11,6 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
-import bridge_mr
-
 from ._run import DemoConfig, DemoResult, run_demo
 
 QUICK_ROUNDS = 15
@@ -77,9 +75,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> DemoResult:
     """Runs the demo as `python -m bridge_mr.demo [argv]` does; prints and returns the result.
 
-    Sets `os.environ["XLA_FLAGS"]` to `bridge_mr.recommended_xla_flags()` first: it takes
-    effect if no JAX computation has run in this process yet.
-
     Args:
       argv: the command-line arguments (default: `sys.argv[1:]`): --quick, --rounds N,
         --clients N, --seed S, --torch-threads N, --no-baseline.
@@ -88,7 +83,6 @@ def main(argv: Sequence[str] | None = None) -> DemoResult:
       Every training run, as `run_demo` returns them.
     """
     args = _parse_args(argv)
-    os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags()
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DemoConfig.rounds)
     config = DemoConfig(
         clients=args.clients,

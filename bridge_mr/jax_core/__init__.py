@@ -8,8 +8,10 @@ from ._api import reduce_weighted_mean as reduce_weighted_mean
 from ._arguments import STRATEGIES as STRATEGIES
 from ._arguments import check_strategy as check_strategy
 from ._arguments import client_count as client_count
+from ._cpu import accurate_sums as accurate_sums
+from ._cpu import cpu_compiler_options as cpu_compiler_options
+from ._cpu import cpu_program as cpu_program
 from ._layouts import canonical_layouts as canonical_layouts
-from ._layouts import cpu_compiler_options as cpu_compiler_options
 from ._map_reduce import map_reduce as map_reduce
 from ._maps import map_p as map_p
 from ._mesh import ambient_mesh as ambient_mesh
@@ -24,6 +26,7 @@ from ._program import program as program
 __all__ = [
     "STRATEGIES",
     "Placement",
+    "accurate_sums",
     "ambient_mesh",
     "broadcast",
     "broadcast_p",
@@ -32,6 +35,7 @@ __all__ = [
     "check_strategy",
     "client_count",
     "cpu_compiler_options",
+    "cpu_program",
     "current_placement",
     "map_fn",
     "map_p",

@@ -138,7 +138,7 @@ class TracedCall:
     outputs: Outputs
     counter: TraceCounter
     #: The XLA options the runners compile forward and the VJP over its residuals with (on CPU:
-    #: no YNNPACK fusions where the program has convolutions, `jax_core.cpu_compiler_options`).
+    #: YNNPACK's fusions chosen from the program, `jax_core.cpu_compiler_options`).
     compiler_options: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -284,8 +284,10 @@ def cotangents(outputs: Outputs, float_cotangents: Sequence[Any]) -> list[Any]:
 
 def _on_device(spec: CallSpec, program: F) -> F:
     """`program` as compiled for `spec`'s device: on CPU, every convolution in the layout XLA
-    runs fast, those of the gradients and those in loop bodies too (`canonical_layouts`)."""
-    return jax_core.canonical_layouts(program) if spec.device_type == "cpu" else program
+    runs fast, those of the gradients and those in loop bodies too, and large float sums as
+    accurate as torch's where the program compiles without YNNPACK's reduce fusion
+    (`jax_core.cpu_program`; its options: `jax_core.cpu_compiler_options`)."""
+    return jax_core.cpu_program(program) if spec.device_type == "cpu" else program
 
 
 def _shape_structs(avals: Sequence[Aval]) -> list[jax.ShapeDtypeStruct]:

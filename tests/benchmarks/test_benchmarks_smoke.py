@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import bridge_mr
-
 # drjax 0.2.1 reads a mesh through an API that jax 0.10 deprecates.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:jax.interpreters.pxla.thread_resources is deprecated:DeprecationWarning"
@@ -60,7 +58,7 @@ def test_document_header(run: tuple[Path, dict]) -> None:
     assert machine["usable_cpus"] >= 1
     assert machine["torch"].split("+")[0].count(".") == 2
     assert machine["jax"].count(".") == 2
-    assert machine["xla_flags"] == os.environ["XLA_FLAGS"] == bridge_mr.recommended_xla_flags()
+    assert machine["xla_flags"] == os.environ["XLA_FLAGS"]
     assert machine["jax_cpu_async_dispatch"] is True
     other = doc["load"]["other_cpus_busy"]
     assert other is None or other >= 0

@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers.child import run_python
 
-import bridge_mr
 from bridge_mr.demo import Comparison, DemoConfig, DemoResult, PhaseResult, main, run_demo
 
 ALGORITHMS = ("FedSGD", "FedAvg")
@@ -128,7 +127,6 @@ def test_quick_demo_trains_both_algorithms_like_the_baselines(
     assert torch.get_num_threads() == threads  # The demo's one thread is restored afterwards.
     assert f"1 torch thread(s) (this process's before the demo: {threads};" in out
     assert f"(XLA_FLAGS={os.environ['XLA_FLAGS']})" in out
-    assert os.environ["XLA_FLAGS"] == bridge_mr.recommended_xla_flags()
     # 64 label-skewed shards of the digits' 1437 training examples, 360 held out.
     header = re.search(r"(\d+) clients x (\d+) examples .* holds (\d+) to (\d+) of the 10", out)
     assert header is not None, out

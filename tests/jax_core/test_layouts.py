@@ -259,7 +259,7 @@ def test_cpu_compiler_options_turn_ynn_fusions_off_for_programs_with_convolution
 
 def test_a_cnn_round_compiled_with_the_cpu_options_has_no_ynn_fusion_and_the_same_values():
     # Pins that this jaxlib knows the option (an unknown one fails the compile) and that it
-    # reaches XLA: the conftest's flags (recommended_xla_flags) leave YNN's other fusions on.
+    # reaches XLA: jaxlib's default (no process flag) has YNN fusions on.
     params, data = _cnn_case()
     traced = jax.jit(_round()).trace(params, data)
     options = mr.cpu_compiler_options(traced.jaxpr)

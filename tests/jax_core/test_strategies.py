@@ -13,7 +13,6 @@ from helpers.child import run_python
 from jax.sharding import AxisType
 
 from bridge_mr import jax_core as mr
-from bridge_mr import recommended_xla_flags
 
 N = 7  # Not divisible by the chunk size 3.
 #: (strategy, chunk_size): uneven chunks, a chunk size above N, chunks of one, per client.
@@ -290,8 +289,13 @@ _FEDAVG_CHILD = textwrap.dedent(
         g = jax.grad(loss)(p)
         return jax.tree.map(lambda a, b: 0.1 * b, p, g)
 
-    fedavg = jax.jit(lambda p, c, w: jax_core.map_reduce(
-        local_sgd, p, c, reduce="weighted_mean", weights=w, strategy="chunks", chunk_size=k))
+    round_ = lambda p, c, w: jax_core.map_reduce(
+        local_sgd, p, c, reduce="weighted_mean", weights=w, strategy="chunks", chunk_size=k)
+    # The options bridge_mr's torch frontend compiles with (no YNNPACK reduce fusion here: with
+    # jaxlib 0.10's default this round runs ~150x slower, jax-ml/jax#37465).
+    options = jax_core.cpu_compiler_options(jax.make_jaxpr(round_)(params, clients, counts))
+    assert options, "a chunked FedAvg round has a wide sum in its loop"
+    fedavg = jax.jit(round_, compiler_options=options)
     delta = fedavg(params, clients, counts)
     jax.block_until_ready(delta)
     assert delta["w"].shape == (256, 4096) and bool(jnp.all(jnp.isfinite(delta["w"])))
@@ -306,7 +310,7 @@ _FEDAVG_CHILD = textwrap.dedent(
 def test_fedavg_round_of_4096_clients_on_1m_parameters_in_chunks_of_32_under_2_gb():
     # Unchunked, the round holds 4096 deltas of 4 MiB each (16 GiB).
     # The child's XLA flags are set here, not inherited from an environment tests may change.
-    flags = recommended_xla_flags("--xla_force_host_platform_device_count=8")
+    flags = "--xla_force_host_platform_device_count=8"
     out = run_python(["-c", _FEDAVG_CHILD, "4096", "32"], env={"XLA_FLAGS": flags}, timeout=600)
     peak_kib = int(out.split()[-1])
     assert peak_kib * 1024 <= 2 * 2**30, f"peak RSS {peak_kib / 2**20:.2f} GiB"

@@ -147,9 +147,7 @@ _DUMPED_ROUNDS = textwrap.dedent(
     """
     import os, sys
     import bridge_mr
-    os.environ["XLA_FLAGS"] = bridge_mr.recommended_xla_flags(
-        f"--xla_dump_to={sys.argv[1]} --xla_dump_hlo_as_text"
-    )
+    os.environ["XLA_FLAGS"] = f"--xla_dump_to={sys.argv[1]} --xla_dump_hlo_as_text"
     import jax, jax.numpy as jnp, torch
 
     def conv(p, c):
