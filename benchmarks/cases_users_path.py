@@ -58,10 +58,13 @@ ROUNDS = (3, 5)
 #: round and the torch loop's for them to count as computing the same round (float32, other
 #: summation orders). The ResNet's round amplifies rounding: its BatchNorms normalise the last
 #: stage's 1x1 maps over a batch of 10 values, and a relative 1e-6 change of the initial
-#: parameters moved the torch loop's round by 2e-3 (its parameters move by 0.1-0.3 in a round).
-#: bridge_mr's round differed from the torch loop's by 0.019 (Intel Xeon, 10 clients) and 0.024
-#: (AMD EPYC without AVX-512, 2 clients); torch.func.vmap's by 8e-6.
-AGREEMENT_ATOL = {"cnn": 1e-4, "gpt2": 1e-4, "resnet18": 5e-2}
+#: parameters moved the torch loop's round by 2e-3 (its parameters move by 0.1-0.3 in a round),
+#: so 1e-2 is what float32 allows. bridge_mr's round differed from the torch loop's by 0.019
+#: (Intel Xeon, 10 clients) and 0.024 (AMD EPYC without AVX-512, 2 clients) while XLA:CPU
+#: summed BatchNorm's statistics in one sequential accumulator; with the sums in levels
+#: (`jax_core.cpu_program`) by 5.9e-3 (10 clients) and 1.1e-4 (2 clients); torch.func.vmap's
+#: by 1e-5.
+AGREEMENT_ATOL = {"cnn": 1e-4, "gpt2": 1e-4, "resnet18": 1e-2}
 
 TITLE = (
     "The README's round (from_torch + algorithms.local_training + outer_step) against a torch "

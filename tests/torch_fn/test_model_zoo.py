@@ -15,10 +15,11 @@ projection's bias under softmax) and both sides then hold only rounding. BatchNo
 deep layers over a handful of values per channel (MobileNetV2: a 1x1 map times the batch), so
 float32 rounding there is amplified (4.7e-5 measured against torch on MobileNetV2); they are
 compared at 1e-3 in float32 and at 1e-9 in float64 (the x64 leg), where the conversion matched
-torch to 6e-13. Over four clients of 2 examples each, BatchNorm normalises over 2 values: float32
-gradients of MobileNetV2 then differed from torch's by 4.5e-3 on an AMD EPYC without AVX-512
-(it passed at 1e-3 on the Intel Xeon where it was written), so that test allows 2e-2 in float32
-and runs in float64 too.
+torch to 6e-13. Over four clients of 2 examples each, BatchNorm normalises over 2 values, and
+float32 itself is far from exact there: torch float32's own MobileNetV2 gradient is 1.5e-2 from
+float64 torch's. So in float32 that test measures both against float64 torch and bounds
+bridge_mr's per-leaf error by 1.5x torch float32's largest (measured: 1.0x MobileNetV2, 1.3x
+ResNet, 1.2x EfficientNet); it runs in float64 too (1e-9).
 """
 
 from __future__ import annotations
@@ -154,11 +155,28 @@ def test_batch_norm_nets_match_torch_in_float64(name: str) -> None:
     test_jit_value_and_grad_matches_torch_autograd(name)
 
 
+def _float64_client_gradients(name: str, clients: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The mean gradient over the clients in float64 torch, of the same (float32) initial model."""
+    entry = zoo.ZOO[name]
+    model = zoo.build(name).to(torch.float64)
+    loss = zoo.client_loss(entry, model)
+    data = {k: v.double() if v.is_floating_point() else v for k, v in clients.items()}
+    grads = [_torch_reference(loss, model, {k: t[c] for k, t in data.items()})[1] for c in range(4)]
+    return {k: torch.stack([g[k] for g in grads]).mean(0) for k in grads[0]}
+
+
+def _relative_errors(got: dict[str, Any], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    floor = 1e-3 * max(float(v.norm()) for v in want.values())
+    return {k: float((got[k].detach().double() - w).norm()) / max(float(w.norm()), floor)
+            for k, w in want.items()}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _params(NAMES))
 def test_map_reduce_over_four_clients_matches_a_torch_loop(name: str) -> None:
     entry, model, batch, loss = _setup(name, 8)
-    rtol = 2e-2 if entry.batch_norm and not jax.config.jax_enable_x64 else _rtol(name)
+    against_float64 = entry.batch_norm and not jax.config.jax_enable_x64
+    rtol = _rtol(name)
     clients = {k: v.reshape(4, 2, *v.shape[1:]) for k, v in batch.items()}
     converted = _convert(entry, loss)
     params = dict(model.named_parameters())
@@ -182,7 +200,13 @@ def test_map_reduce_over_four_clients_matches_a_torch_loop(name: str) -> None:
     assert value.item() == pytest.approx(torch.stack(values).mean().item(), rel=rtol)
     mean_grads = {k: torch.stack([g[k] for g in grads]).mean(0) for k in grads[0]}
     got = {k: p.grad for k, p in model.named_parameters()}
-    _assert_trees_close(got, mean_grads, rtol, f"{name} map_reduce gradient")
+    if against_float64:  # See the module docstring: float32 itself is far from float64 here.
+        exact = _float64_client_gradients(name, clients)
+        bound = 1.5 * max(_relative_errors(mean_grads, exact).values())
+        worse = {k: e for k, e in _relative_errors(got, exact).items() if e > bound}
+        assert not worse, f"{name}: leaves above 1.5x torch float32's error {bound / 1.5:.2g}"
+    else:
+        _assert_trees_close(got, mean_grads, rtol, f"{name} map_reduce gradient")
     if new_buffers is not None:
         floats = [k for k, v in after[0].items() if v.is_floating_point()]
         mean_buffers = {k: torch.stack([b[k] for b in after]).mean(0) for k in floats}
