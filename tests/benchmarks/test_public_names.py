@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 #: The modules a user imports: the package and its public subpackages.
-PUBLIC_MODULES = {"bridge_mr", "bridge_mr.dlpack", "bridge_mr.jax_core"}
+PUBLIC_MODULES = {"bridge_mr", "bridge_mr.data", "bridge_mr.dlpack", "bridge_mr.jax_core"}
 
 
 def _sources(root: Path, folder: str) -> Iterator[tuple[str, ast.AST]]:
