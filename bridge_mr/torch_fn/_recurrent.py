@@ -11,8 +11,12 @@ dropout, direction). Being a plain ATen op, it passes through functionalization 
 dispatch, where it is lowered here: the input projection of all time steps as one matrix
 product, the recurrence as a `lax.scan` over time.
 
-Packed sequences are refused with a message: a `PackedSequence`'s data is as long as the sum of
-the lengths, a shape that under `jax.jit` depends on traced values.
+Packed sequences (`pack_padded_sequence` -> layer -> `pad_packed_sequence`) never build the
+packed data, whose length is the sum of traced lengths: `_packed` stands the padded batch and
+its lengths in for it, and the layer runs the same scans masked by the lengths (each sequence's
+state stops at its length; the reverse direction starts at its last element). The lengths reach
+the lowering in `aten._cudnn_rnn`'s `dropout_state` argument, a tensor cuDNN's op takes and this
+lowering has no other use for.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import jax.numpy as jnp
 import torch
 
 from bridge_mr._compat import torchax as torchax_compat
+
+from . import _packed
 
 __all__ = ["install"]
 
@@ -48,28 +54,37 @@ def install(env: Any, error: type[Exception], where: Callable[[], str]) -> None:
     Args:
       env: the torchax `Environment`; its `dispatch` is wrapped, and `aten._cudnn_rnn` and
         `aten._pack_padded_sequence` are overridden.
-      error: the exception class raised for packed sequences.
+      error: the exception class raised for what is not supported.
       where: returns the user's source line, for messages.
     """
-    env.dispatch = functools.partial(_dispatch, env.dispatch, error, where)
+    refuse = _packed.Refuse(error, where)
+    env.dispatch = functools.partial(_dispatch, env.dispatch, refuse)
     env.override_op_definition(_aten._cudnn_rnn.default, functools.partial(_fused_rnn, env))
     env.override_op_definition(
         _aten._pack_padded_sequence.default,
-        functools.partial(_refuse_packing, error, where, "torch.nn.utils.rnn.pack_padded_sequence"),
+        lambda *_: refuse("torch.ops.aten._pack_padded_sequence"),
     )
 
 
 def _dispatch(
-    dispatch: Any,
-    error: type[Exception],
-    where: Callable[[], str],
-    func: Any,
-    types: Any,
-    args: Any,
-    kwargs: Any = None,
+    dispatch: Any, refuse: _packed.Refuse, func: Any, types: Any, args: Any, kwargs: Any = None
 ) -> Any:
-    """`dispatch`, with torch's four recurrent functions called as one `aten._cudnn_rnn`."""
+    """`dispatch`, with torch's four recurrent functions called as one `aten._cudnn_rnn`, and
+    packing, unpacking and the layers of packed sequences done on `_packed`'s stand-ins."""
+    if _packed.is_pack(func):
+        return _packed.pack(refuse, args, kwargs)
     found = next((f for f in _FUNCTIONS if f[0] is func), None)
+    if _packed.stand_in((args, kwargs)) is not None:
+        if _packed.is_unpack(func):
+            return _packed.unpack(refuse, args, kwargs)
+        if found is not None and not kwargs and isinstance(args[0], _packed.PackedData):
+            return _packed_layer(refuse, found, args)
+        refuse(f"{getattr(func, '__name__', func)} of packed.data or packed.batch_sizes")
+    if _packed.is_pad_sequence(func):
+        return _packed.pad_sequence(args, kwargs)
+    if _packed.constant(func, args):
+        with jax.ensure_compile_time_eval():
+            return dispatch(func, types, args, kwargs)
     if found is None or kwargs:
         # torch's modules call these positionally; a keyword call keeps torch's own lowering.
         return dispatch(func, types, args, kwargs)
@@ -77,8 +92,44 @@ def _dispatch(
     # Packed: (data, batch_sizes, hx, params, ...); else LSTM's (input, (h0, c0), params, ...)
     # and the others' (input, h0, params, ...).
     if isinstance(args[1 if mode == _LSTM else 2], torch.Tensor):
-        _refuse_packing(error, where, f"{layer} on a PackedSequence")
-    input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+        refuse(
+            f"{layer} on a PackedSequence made by hand (expected one from pack_padded_sequence)",
+            _packed.BY_HAND,
+        )
+    input, hx, *options, batch_first = args
+    return _layer(mode, input, hx, *options, batch_first=batch_first)
+
+
+def _packed_layer(refuse: _packed.Refuse, found: tuple[Any, int, str], args: Any) -> Any:
+    """`torch.lstm` / `gru` / `rnn_*` (data, batch_sizes, hx, params, ...) of the stand-ins."""
+    _, mode, layer = found
+    data, sizes, hx, *options = args
+    if not isinstance(sizes, _packed.BatchSizes):
+        refuse(
+            f"{layer} on a PackedSequence made by hand (expected one from pack_padded_sequence)",
+            _packed.BY_HAND,
+        )
+    output, *states = _layer(
+        mode, data.padded, hx, *options, batch_first=False, lengths=sizes.lengths
+    )
+    return (_packed.PackedData(output, refuse), *states)
+
+
+def _layer(
+    mode: int,
+    input: torch.Tensor,
+    hx: Any,
+    params: Sequence[torch.Tensor],
+    has_biases: bool,
+    num_layers: int,
+    dropout: float,
+    train: bool,
+    bidirectional: bool,
+    *,
+    batch_first: bool,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """One recurrent layer stack as `aten._cudnn_rnn`: (output, h_n[, c_n for an LSTM])."""
     h0, c0 = hx if mode == _LSTM else (hx, None)
     directions = 2 if bidirectional else 1
     per_direction = len(params) // (num_layers * directions)
@@ -100,21 +151,9 @@ def _dispatch(
         bool(train),
         bool(bidirectional),
         [],
-        None,
+        lengths,  # dropout_state: the lengths of a packed sequence (see the module docstring)
     )
     return (output, h_n, c_n) if mode == _LSTM else (output, h_n)
-
-
-def _refuse_packing(error: type[Exception], where: Callable[[], str], what: str, *_: Any) -> None:
-    raise error(
-        f"{what} at {where()}: bridge_mr.from_torch cannot trace packed sequences. A "
-        f"PackedSequence's data is as long as the sum of the sequence lengths, and inside "
-        f"from_torch (under jax.jit, grad, vmap or map_reduce) the lengths are traced values, "
-        f"so that shape is unknown when the program is built. Fix: run the recurrent layer on "
-        f"the padded batch (batch_first or not) and read each sequence's outputs up to its "
-        f"length (its last state: out.gather along time at length - 1); for a bidirectional "
-        f"layer or exact final states, group sequences of equal length into one batch."
-    )
 
 
 def _fused_rnn(
@@ -139,14 +178,15 @@ def _fused_rnn(
     """`aten._cudnn_rnn` (unpacked input): one scan over time per layer and direction.
 
     `weight` holds `weight_stride0` tensors per layer and direction, in torch's order: w_ih,
-    w_hh, then b_ih, b_hh (with biases), then w_hr (with `proj_size`). `weight_buf`,
-    `batch_sizes` (empty: `_dispatch` refuses packed input) and `dropout_state` are cuDNN's.
+    w_hh, then b_ih, b_hh (with biases), then w_hr (with `proj_size`). `weight_buf` and
+    `batch_sizes` (empty: packed input comes padded) are cuDNN's; `dropout_state` holds the
+    lengths [batch] of a packed sequence (`_packed_layer`), or is None.
 
     Returns:
       (output, h_n, c_n, reserve, weight_buf), as torch's op; the last two are empty, and so
       is c_n but for an LSTM.
     """
-    del weight_buf, batch_sizes, dropout_state, hidden_size
+    del weight_buf, batch_sizes, hidden_size
     tx = torchax_compat.import_torchax()
     value = torchax_compat.value_of
     x = value(input)
@@ -155,6 +195,10 @@ def _fused_rnn(
     h0 = value(hx)
     c0 = value(cx) if cx is not None else None
     weights = [value(w) for w in weight]
+    # Packed: time step t of sequence b is valid while t < its length.
+    valid = None
+    if dropout_state is not None:
+        valid = jnp.arange(x.shape[0])[:, None] < value(dropout_state)[None, :]
     has_bias = weight_stride0 - (1 if proj_size else 0) == 4
     directions = 2 if bidirectional else 1
     drop = train and dropout > 0 and num_layers > 1
@@ -171,7 +215,7 @@ def _fused_rnn(
             b_ih, b_hh = (w[2], w[3]) if has_bias else (None, None)
             w_hr = w[-1] if proj_size else None
             carry = (h0[i], c0[i]) if c0 is not None else h0[i]
-            (h, c), y = _scan(mode, x, carry, w_ih, w_hh, b_ih, b_hh, w_hr, direction == 1)
+            (h, c), y = _scan(mode, x, carry, w_ih, w_hh, b_ih, b_hh, w_hr, direction == 1, valid)
             outputs.append(y)
             h_n.append(h)
             c_n.append(c)
@@ -207,8 +251,13 @@ def _scan(
     b_hh: jax.Array | None,
     w_hr: jax.Array | None,
     reverse: bool,
+    valid: jax.Array | None = None,
 ) -> tuple[tuple[jax.Array, jax.Array | None], jax.Array]:
     """One layer in one direction over `x` [time, batch, features], as torch's cells compute.
+
+    With `valid` [time, batch] (a packed sequence's steps), a step past a sequence's length
+    leaves its state as it is and outputs zeros: the forward direction's state stops at the
+    length, the reverse one stays the initial state until the sequence's last element.
 
     Returns:
       ((h_n, c_n or None), outputs [time, batch, hidden or proj_size]).
@@ -238,8 +287,18 @@ def _scan(
         h = jnp.tanh(pre) if mode == _RNN_TANH else jax.nn.relu(pre)
         return h, h
 
-    if mode == _LSTM:
-        (h, c), y = jax.lax.scan(lstm, carry, x_gates, reverse=reverse)
-        return (h, c), y
-    h, y = jax.lax.scan(gru if mode == _GRU else simple, carry, x_gates, reverse=reverse)
-    return (h, None), y
+    step: Callable[[Any, jax.Array], Any] = (
+        lstm if mode == _LSTM else gru if mode == _GRU else simple
+    )
+
+    def masked(state: Any, inputs: tuple[jax.Array, jax.Array]) -> Any:
+        x_t, keep = inputs
+        new, y = step(state, x_t)
+        kept = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, state)
+        return kept, jnp.where(keep, y, jnp.zeros_like(y))
+
+    if valid is None:
+        final, y = jax.lax.scan(step, carry, x_gates, reverse=reverse)
+    else:
+        final, y = jax.lax.scan(masked, carry, (x_gates, valid[..., None]), reverse=reverse)
+    return (final if mode == _LSTM else (final, None)), y

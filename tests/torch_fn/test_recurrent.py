@@ -6,9 +6,9 @@ a scan per layer and direction). Each option is compared with torch autograd in 
 both sides compute the same, 1e-10) and in float32 against float64 torch, leaf by leaf as
 ||got - torch|| / ||torch||: float32's own rounding through a few steps of recurrence (at most
 5.3e-7 measured, 5e-6 allowed). Then: `vmap`, an eager call, every `map_reduce` strategy, dropout
-between layers under `rng=True`, the traced program's size over sequence lengths, the refusal of
-packed sequences, and the zoo's recurrent models at real lengths (the Shakespeare LSTM, a
-Conv1d + BatchNorm1d + bidirectional GRU audio model over 100 frames).
+between layers under `rng=True`, the traced program's size over sequence lengths, and the zoo's
+recurrent models at real lengths (the Shakespeare LSTM, a Conv1d + BatchNorm1d + bidirectional
+GRU audio model over 100 frames). Packed sequences: `test_packed.py`.
 """
 
 from __future__ import annotations
@@ -284,33 +284,6 @@ def test_a_cell_as_the_body_of_a_jax_scan_matches_torchs_loop() -> None:
     want_value, want = _torch_value_and_grads(torch_loss, params, {"x": x})
     assert float(value) == pytest.approx(want_value, rel=5e-6)
     _assert_close(grads, {k: want[k] for k in params}, 5e-6)
-
-
-def test_packed_sequences_are_refused_with_the_fix() -> None:
-    layer = nn.GRU(FEATURES, HIDDEN)
-    params = _jax({k: v.detach() for k, v in layer.named_parameters()})
-
-    def packed(params: dict[str, Any], x: Any) -> Any:
-        sequence = nn.utils.rnn.pack_padded_sequence(x, [TIME, 2])
-        return torch.func.functional_call(layer, params, (sequence,))[1].sum()
-
-    def prepacked(params: dict[str, Any], x: Any) -> Any:
-        # What nn.GRU calls on a PackedSequence (torch refuses to build one by hand here).
-        names = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
-        weights = [params[name] for name in names]
-        data, batch_sizes = x.flatten(0, 1), torch.tensor([2] * TIME)
-        h0 = torch.zeros(1, 2, HIDDEN)
-        return torch.gru(data, batch_sizes, h0, weights, True, 1, 0.0, False, False)[1].sum()
-
-    x = jnp.ones((TIME, 2, FEATURES))
-    for fn, what in ((packed, "pack_padded_sequence"), (prepacked, "nn.GRU on a PackedSequence")):
-        with pytest.raises(UnsupportedTorchOperation) as raised:
-            jax.jit(bridge_mr.from_torch(fn))(params, x)
-        message = str(raised.value)
-        assert what in message, message
-        assert "test_recurrent.py" in message, message
-        assert "cannot trace packed sequences" in message, message
-        assert "Fix: run the recurrent" in message, message
 
 
 class AudioConvGRU(nn.Module):
