@@ -6,12 +6,14 @@ Checked on jax 0.10.2 (the version CI pins, in both test environments). Imports 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Hashable
 from typing import Any
 
 import jax
 from jax._src import config as _config
 from jax._src import mesh as _mesh
+from jax._src import util as _util
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.array import ArrayImpl as ArrayImpl
 from jax._src.export.shape_poly import _DimExpr as DimExpr
@@ -21,6 +23,7 @@ __all__ = [
     "ArrayImpl",
     "DimExpr",
     "backends_generation",
+    "clear_caches_count",
     "concrete_mesh",
     "default_device",
     "fresh_handle",
@@ -136,3 +139,32 @@ def fresh_handle(array: jax.Array) -> jax.Array:
     """
     # A method of jaxlib's C++ ArrayImpl, which jax's stub of `jax.Array` does not declare.
     return array._fully_replicated_shard()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+class _ClearCounter:
+    """Counts `jax.clear_caches()` calls: JAX's cache management calls `cache_clear()` on every
+    cache registered with it (`jax._src.util.register_cache`; jax 0.10.2)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def cache_clear(self) -> None:
+        self.count += 1
+
+    def cache_info(self) -> None:
+        return None
+
+    def cache_keys(self) -> tuple[()]:
+        return ()
+
+
+@functools.cache
+def _clear_counter() -> _ClearCounter:
+    counter = _ClearCounter()
+    _util.register_cache(counter, "bridge_mr: jax.clear_caches() calls")
+    return counter
+
+
+def clear_caches_count() -> int:
+    """How many times `jax.clear_caches()` ran since this was first asked (from then on)."""
+    return _clear_counter().count

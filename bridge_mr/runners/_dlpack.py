@@ -13,10 +13,12 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import NARROW_TARGETS, Aval
 from bridge_mr.dlpack import export_arrays, jit_arguments
 
+from . import _disk
 from ._protocols import Jitted
 
 # Small tensors of one dtype cross together in one shared buffer: importing a tensor costs more
@@ -91,9 +93,15 @@ class DlpackRunner:
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         wrap = self._groups or self._replicated is not None
         # jax.jit takes compiler options at the top level only: this one.
-        options = dict(compiler_options) if compiler_options else None
+        self._options = dict(compiler_options) if compiler_options else None
         run = self._unpacking if wrap else jitted
-        self._run = jax.jit(run, compiler_options=options) if wrap or options else jitted
+        self._jit: Any = (
+            jax.jit(run, compiler_options=self._options) if wrap or self._options else jitted
+        )
+        self._run: Any = self._jit
+        # The program is compiled (or loaded from disk, `_disk`) at the first call, and again
+        # after `jax.clear_caches()`, which retraces `jax.jit` programs: the count it belongs to.
+        self._compiled_at: int | None = None
         self._poll = True
 
     def _unpacking(self, *flat: jax.Array) -> list[jax.Array]:
@@ -129,6 +137,8 @@ class DlpackRunner:
         arrays = jit_arguments(crossing, names=self._crossing_names)
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
+        if self._compiled_at != jax_compat.clear_caches_count():
+            self._compile([*arrays, *carried])
         outputs = self._run(*arrays, *carried)
         if outputs:
             # JAX dispatch is asynchronous and the inputs alias torch memory: the caller may
@@ -137,6 +147,13 @@ class DlpackRunner:
         n = self._n_exported
         # Fresh outputs that only this runner holds, and drops.
         return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
+
+    def _compile(self, args: list[Any]) -> None:
+        self._compiled_at = jax_compat.clear_caches_count()
+        folder = _disk.directory()
+        self._run = (
+            self._jit if folder is None else _disk.compiled(self._jit, args, self._options, folder)
+        )
 
     def _wait(self, output: jax.Array) -> None:
         """Returns once `output` is computed: polls while this program is quick, else sleeps."""

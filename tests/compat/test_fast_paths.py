@@ -445,3 +445,11 @@ def test_import_torch_xla_returns_its_modules_and_private_workarounds_once() -> 
     assert callable(modules.builder.xla_computation_as_func)
     assert callable(modules.runtime.is_spmd)
     assert callable(modules.spmd.get_global_mesh)
+
+
+def test_jax_clear_caches_is_counted() -> None:
+    # DLPack runners compile again after jax.clear_caches(), as jax.jit retraces: they see it
+    # through this count (JAX's cache management calls cache_clear on registered caches).
+    before = compat_jax.clear_caches_count()
+    jax.clear_caches()
+    assert compat_jax.clear_caches_count() == before + 1
