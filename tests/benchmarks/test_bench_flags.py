@@ -24,6 +24,6 @@ def test_bench_flags_times_each_setting_of_a_row(capsys):
     assert len(table) == 1, out
     assert table[0].count(" ms") == 3, out
     results = json.loads(out.strip().splitlines()[-1])["results"]["small fedsgd c64 vmap"]
-    assert set(results) == {"flags", "none", "dot"}
+    assert set(results) == {"default", "none", "dot"}
     assert all(r["median_s"] > 0 for r in results.values())
-    assert all(r["ratio"]["median"] > 0 for name, r in results.items() if name != "flags")
+    assert all(r["ratio"]["median"] > 0 for name, r in results.items() if name != "default")
