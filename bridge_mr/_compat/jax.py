@@ -21,9 +21,10 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 __all__ = [
     "ArrayImpl",
+    "ClearCounter",
     "DimExpr",
     "backends_generation",
-    "clear_caches_count",
+    "clear_counter",
     "concrete_mesh",
     "default_device",
     "fresh_handle",
@@ -141,9 +142,9 @@ def fresh_handle(array: jax.Array) -> jax.Array:
     return array._fully_replicated_shard()  # pyright: ignore[reportAttributeAccessIssue]
 
 
-class _ClearCounter:
-    """Counts `jax.clear_caches()` calls: JAX's cache management calls `cache_clear()` on every
-    cache registered with it (`jax._src.util.register_cache`; jax 0.10.2)."""
+class ClearCounter:
+    """Counts `jax.clear_caches()` calls in `count`: JAX's cache management calls `cache_clear()`
+    on every cache registered with it (`jax._src.util.register_cache`; jax 0.10.2)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -159,12 +160,9 @@ class _ClearCounter:
 
 
 @functools.cache
-def _clear_counter() -> _ClearCounter:
-    counter = _ClearCounter()
+def clear_counter() -> ClearCounter:
+    """The one counter of `jax.clear_caches()` calls (from its first use on): read its `count`
+    attribute, a hot path's cheapest check."""
+    counter = ClearCounter()
     _util.register_cache(counter, "bridge_mr: jax.clear_caches() calls")
     return counter
-
-
-def clear_caches_count() -> int:
-    """How many times `jax.clear_caches()` ran since this was first asked (from then on)."""
-    return _clear_counter().count

@@ -101,6 +101,7 @@ class DlpackRunner:
         self._run: Any = self._jit
         # The program is compiled (or loaded from disk, `_disk`) at the first call, and again
         # after `jax.clear_caches()`, which retraces `jax.jit` programs: the count it belongs to.
+        self._clears = jax_compat.clear_counter()
         self._compiled_at: int | None = None
         self._poll = True
 
@@ -137,7 +138,7 @@ class DlpackRunner:
         arrays = jit_arguments(crossing, names=self._crossing_names)
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
-        if self._compiled_at != jax_compat.clear_caches_count():
+        if self._compiled_at != self._clears.count:
             self._compile([*arrays, *carried])
         outputs = self._run(*arrays, *carried)
         if outputs:
@@ -149,7 +150,7 @@ class DlpackRunner:
         return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
 
     def _compile(self, args: list[Any]) -> None:
-        self._compiled_at = jax_compat.clear_caches_count()
+        self._compiled_at = self._clears.count
         folder = _disk.directory()
         self._run = (
             self._jit if folder is None else _disk.compiled(self._jit, args, self._options, folder)
