@@ -1,7 +1,8 @@
 """Helpers shared by the test suite; `import helpers` imports neither torch nor bridge_mr.
 
 helpers                 assert_trees_all_close
-helpers.precision       precisions(): float64 (x64 leg) and float32 (default leg) params
+helpers.precision       precisions(): float64 (x64 leg) and float32 (default leg) params;
+                        leaf_errors(), assert_leaves_close(), torch_value_and_grads()
 helpers.child           run_python(): a script in a fresh interpreter
 helpers.beam            jit_of(), assert_close(), local_sgd(), the CNN: the Beam tests'
 helpers.examples        example_module(): an examples/*.py script as a module

@@ -19,6 +19,7 @@ import jax
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.precision import assert_leaves_close
 from torch import nn
 
 import bridge_mr
@@ -117,13 +118,6 @@ def full_precision() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def _assert_close(got: dict[str, Any], want: dict[str, torch.Tensor], what: str) -> None:
-    floor = 1e-3 * max(float(w.norm()) for w in want.values())
-    for k, w in want.items():
-        error = float((got[k].detach() - w).norm()) / max(float(w.norm()), floor)
-        assert error <= RTOL, f"{what} {k}: relative error {error:.2e} > {RTOL:g}"
-
-
 @pytest.mark.usefixtures("full_precision")
 @pytest.mark.parametrize("name", list(MODELS))
 def test_map_reduce_of_from_torch_backward_on_cuda_equals_a_torch_loop(name: str) -> None:
@@ -160,9 +154,11 @@ def test_map_reduce_of_from_torch_backward_on_cuda_equals_a_torch_loop(name: str
     want = torch.stack(values).mean()
     want.backward()  # a plain torch backward on CUDA, after bridge_mr's in the same process
     assert float(value.detach()) == pytest.approx(float(want.detach()), rel=RTOL)
-    _assert_close(got, {k: p.grad for k, p in reference.items()}, f"{name} gradient")
+    assert_leaves_close(got, {k: p.grad for k, p in reference.items()}, RTOL, f"{name} gradient")
     if new_state is not None:
         running = [k for k, v in buffers.items() if v.is_floating_point()]
         mean = {k: torch.stack([s[k] for s in after]).mean(0) for k in running}
-        _assert_close({k: new_state[k] for k in running}, mean, f"{name} running statistics")
+        assert_leaves_close(
+            {k: new_state[k] for k in running}, mean, RTOL, f"{name} running statistics"
+        )
     assert torch.accelerator.current_accelerator() == torch.device("cuda")

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers.precision import assert_leaves_close, leaf_errors
 
 import bridge_mr
 
@@ -76,27 +77,6 @@ def _rtol(name: str) -> float:
     if jax.config.jax_enable_x64:
         return 1e-9
     return 1e-3 if zoo.ZOO[name].batch_norm else 1e-5
-
-
-def _assert_trees_close(got: dict[str, Any], expected: dict[str, torch.Tensor], rtol: float,
-                        what: str) -> None:  # fmt: skip
-    """Leaf by leaf ||got - expected|| <= rtol * max(||expected||, 1e-3 * largest leaf norm)."""
-    assert set(got) == set(expected), f"{what}: keys differ"
-    norms = {k: float(torch.linalg.vector_norm(v.double())) for k, v in expected.items()}
-    floor = 1e-3 * max(norms.values())
-    assert floor > 0, f"{what}: every expected leaf is zero"
-    for k, want in expected.items():
-        value = got[k]
-        have = (
-            value.detach().double()
-            if isinstance(value, torch.Tensor)
-            else torch.from_numpy(np.array(value, dtype=np.float64))
-        )
-        error = float(torch.linalg.vector_norm(have - want.double()))
-        assert error <= rtol * max(norms[k], floor), (
-            f"{what} {k}: ||got - torch|| = {error:.3g}, ||torch|| = {norms[k]:.3g} "
-            f"(tolerance {rtol} of max(||torch||, {floor:.3g}))"
-        )
 
 
 def _dtype() -> torch.dtype:
@@ -141,11 +121,11 @@ def test_jit_value_and_grad_matches_torch_autograd(name: str) -> None:
     if entry.batch_norm:
         value, new_buffers = value
         floats = {k: v for k, v in want_buffers.items() if v.is_floating_point()}
-        _assert_trees_close({k: new_buffers[k] for k in floats}, floats, _rtol(name), name)
+        assert_leaves_close({k: new_buffers[k] for k in floats}, floats, _rtol(name), name)
         counts = {k: int(new_buffers[k]) for k in want_buffers if k not in floats}
         assert counts == {k: int(want_buffers[k]) for k in counts}, "num_batches_tracked"
     assert float(value) == pytest.approx(want_value.item(), rel=_rtol(name))
-    _assert_trees_close(grads, want_grads, _rtol(name), f"{name} gradient")
+    assert_leaves_close(grads, want_grads, _rtol(name), f"{name} gradient")
 
 
 @pytest.mark.x64
@@ -163,12 +143,6 @@ def _float64_client_gradients(name: str, clients: dict[str, torch.Tensor]) -> di
     data = {k: v.double() if v.is_floating_point() else v for k, v in clients.items()}
     grads = [_torch_reference(loss, model, {k: t[c] for k, t in data.items()})[1] for c in range(4)]
     return {k: torch.stack([g[k] for g in grads]).mean(0) for k in grads[0]}
-
-
-def _relative_errors(got: dict[str, Any], want: dict[str, torch.Tensor]) -> dict[str, float]:
-    floor = 1e-3 * max(float(v.norm()) for v in want.values())
-    return {k: float((got[k].detach().double() - w).norm()) / max(float(w.norm()), floor)
-            for k, w in want.items()}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -202,15 +176,15 @@ def test_map_reduce_over_four_clients_matches_a_torch_loop(name: str) -> None:
     got = {k: p.grad for k, p in model.named_parameters()}
     if against_float64:  # See the module docstring: float32 itself is far from float64 here.
         exact = _float64_client_gradients(name, clients)
-        bound = 1.5 * max(_relative_errors(mean_grads, exact).values())
-        worse = {k: e for k, e in _relative_errors(got, exact).items() if e > bound}
+        bound = 1.5 * max(leaf_errors(mean_grads, exact).values())
+        worse = {k: e for k, e in leaf_errors(got, exact).items() if e > bound}
         assert not worse, f"{name}: leaves above 1.5x torch float32's error {bound / 1.5:.2g}"
     else:
-        _assert_trees_close(got, mean_grads, rtol, f"{name} map_reduce gradient")
+        assert_leaves_close(got, mean_grads, rtol, f"{name} map_reduce gradient")
     if new_buffers is not None:
         floats = [k for k, v in after[0].items() if v.is_floating_point()]
         mean_buffers = {k: torch.stack([b[k] for b in after]).mean(0) for k in floats}
-        _assert_trees_close(
+        assert_leaves_close(
             {k: new_buffers[k] for k in floats}, mean_buffers, rtol, f"{name} buffers"
         )
 
@@ -253,10 +227,10 @@ def test_local_sgd_steps_under_lax_scan_match_torch_sgd(name: str) -> None:
     want_params, want_buffers = zoo.split_state(model)
     deltas = {k: want_params[k] - params[k] for k in params}
     got_deltas = {k: np.asarray(got_params[k]) - params[k].numpy() for k in params}
-    _assert_trees_close(got_deltas, deltas, 10 * _rtol(name), f"{name} local steps")
+    assert_leaves_close(got_deltas, deltas, 10 * _rtol(name), f"{name} local steps")
     floats = {k: v for k, v in want_buffers.items() if v.is_floating_point()}
     if floats:
-        _assert_trees_close(
+        assert_leaves_close(
             {k: got_buffers[k] for k in floats}, floats, _rtol(name), f"{name} buffers"
         )
 

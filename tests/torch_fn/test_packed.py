@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers.precision import precisions
+from helpers.precision import assert_leaves_close, precisions, torch_value_and_grads
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
@@ -112,35 +112,6 @@ def _loss(name: str, layer: nn.RNNBase) -> Callable[..., Any]:
     return loss
 
 
-def _torch_value_and_grads(
-    loss: Callable[..., Any], params: dict[str, torch.Tensor], data: dict[str, torch.Tensor]
-) -> tuple[float, dict[str, torch.Tensor]]:
-    """Float64 torch autograd: the loss and the gradient of every float leaf."""
-    leaves = {
-        k: v.detach().double().requires_grad_() if v.is_floating_point() else v
-        for k, v in {**params, **data}.items()
-    }
-    value = loss({k: leaves[k] for k in params}, {k: leaves[k] for k in data})
-    value.backward()
-    return value.item(), {k: v.grad for k, v in leaves.items() if v.is_floating_point()}  # type: ignore[misc]
-
-
-def _assert_close(got: dict[str, Any], want: dict[str, torch.Tensor], rtol: float) -> None:
-    """Leaf by leaf ||got - want|| <= rtol * max(||want||, 1e-3 * the largest leaf's norm)."""
-    assert set(got) == set(want)
-    norms = {k: float(v.norm()) for k, v in want.items()}
-    floor = 1e-3 * max(norms.values())
-    for k, expected in want.items():
-        value = got[k]
-        have = (
-            value.detach().double()
-            if isinstance(value, torch.Tensor)
-            else torch.from_numpy(np.array(value, np.float64))
-        )
-        error = float((have - expected).norm())
-        assert error <= rtol * max(norms[k], floor), f"{k}: {error:.3g} vs ||torch|| {norms[k]:.3g}"
-
-
 def _floats(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return {k: v for k, v in data.items() if k != "lengths"}, {"lengths": data["lengths"]}
 
@@ -155,9 +126,9 @@ def test_jit_value_and_grad_match_torch(name: str, dtype: torch.dtype, rtol: flo
     floats, ints = _floats(data)
     step = jax.jit(jax.value_and_grad(converted, argnums=(0, 1)))
     value, (g_params, g_data) = step(_jax(params), _jax(floats), _jax(ints, jnp.int32))
-    want_value, want = _torch_value_and_grads(loss, params, data)
+    want_value, want = torch_value_and_grads(loss, params, data)
     assert float(value) == pytest.approx(want_value, rel=rtol)
-    _assert_close({**g_params, **g_data}, want, rtol)
+    assert_leaves_close({**g_params, **g_data}, want, rtol)
 
 
 def test_traced_unsorted_lengths_with_enforce_sorted_give_the_unsorted_result() -> None:
@@ -218,7 +189,7 @@ def _client_grads(clients: list[dict[str, torch.Tensor]]) -> list[tuple[float, d
     params = _classifier_params()
     results = []
     for client in clients:
-        value, grads = _torch_value_and_grads(_classifier_loss, params, client)
+        value, grads = torch_value_and_grads(_classifier_loss, params, client)
         results.append((value, {k: grads[k] for k in params}))
     return results
 
@@ -231,7 +202,7 @@ def test_vmap_over_examples_with_their_own_lengths_matches_torch() -> None:
         _jax(_classifier_params()), _jax(stacked, None)
     )
     for i, (_, want) in enumerate(_client_grads(examples)):
-        _assert_close({k: v[i] for k, v in grads.items()}, want, 5e-6)
+        assert_leaves_close({k: v[i] for k, v in grads.items()}, want, 5e-6)
 
 
 @pytest.mark.parametrize("strategy", ["vmap", "chunks"])
@@ -250,7 +221,7 @@ def test_map_reduce_matches_a_torch_loop(strategy: Any) -> None:
     results = _client_grads(clients)
     assert value.item() == pytest.approx(np.mean([v for v, _ in results]), rel=5e-6)
     mean = {k: torch.stack([g[k] for _, g in results]).mean(0) for k in params}
-    _assert_close({k: p.grad for k, p in params.items()}, mean, 5e-6)  # type: ignore[misc]
+    assert_leaves_close({k: p.grad for k, p in params.items()}, mean, 5e-6)  # type: ignore[misc]
 
 
 def test_pack_sequence_and_a_round_trip_match_torch_eager_and_jitted() -> None:

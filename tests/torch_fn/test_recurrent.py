@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers.precision import precisions
+from helpers.precision import assert_leaves_close, precisions, torch_value_and_grads
 from torch import nn
 
 import bridge_mr
@@ -106,32 +106,6 @@ def _jax(tree: Any, dtype: Any = None) -> Any:
     return jax.tree.map(lambda t: jnp.asarray(t.detach().numpy(), dtype=dtype), tree)
 
 
-def _torch_value_and_grads(
-    loss: Callable[..., Any], params: dict[str, torch.Tensor], data: dict[str, torch.Tensor]
-) -> tuple[float, dict[str, torch.Tensor]]:
-    """Float64 torch autograd: the loss and the gradient of every parameter and input."""
-    leaves = {k: v.detach().double().requires_grad_() for k, v in {**params, **data}.items()}
-    value = loss({k: leaves[k] for k in params}, {k: leaves[k] for k in data})
-    value.backward()
-    return value.item(), {k: v.grad for k, v in leaves.items()}  # type: ignore[misc]
-
-
-def _assert_close(got: dict[str, Any], want: dict[str, torch.Tensor], rtol: float) -> None:
-    """Leaf by leaf ||got - want|| <= rtol * max(||want||, 1e-3 * the largest leaf's norm)."""
-    assert set(got) == set(want)
-    norms = {k: float(v.norm()) for k, v in want.items()}
-    floor = 1e-3 * max(norms.values())
-    for k, expected in want.items():
-        value = got[k]
-        have = (
-            value.detach().double()
-            if isinstance(value, torch.Tensor)
-            else torch.from_numpy(np.array(value, np.float64))
-        )
-        error = float((have - expected).norm())
-        assert error <= rtol * max(norms[k], floor), f"{k}: {error:.3g} vs ||torch|| {norms[k]:.3g}"
-
-
 @pytest.mark.parametrize(("dtype", "rtol"), precisions(float64=1e-10, float32=5e-6))
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_jit_value_and_grad_match_torch(name: str, dtype: torch.dtype, rtol: float) -> None:
@@ -141,9 +115,9 @@ def test_jit_value_and_grad_match_torch(name: str, dtype: torch.dtype, rtol: flo
     loss = _loss(layer)
     step = jax.jit(jax.value_and_grad(bridge_mr.from_torch(loss), argnums=(0, 1)))
     value, (g_params, g_data) = step(_jax(params), _jax(data))
-    want_value, want = _torch_value_and_grads(loss, params, data)
+    want_value, want = torch_value_and_grads(loss, params, data)
     assert float(value) == pytest.approx(want_value, rel=rtol)
-    _assert_close({**g_params, **g_data}, want, rtol)
+    assert_leaves_close({**g_params, **g_data}, want, rtol)
 
 
 def test_vmap_and_an_eager_call_match_torch() -> None:
@@ -157,10 +131,10 @@ def test_vmap_and_an_eager_call_match_torch() -> None:
         _jax(params), _jax(stacked)
     )
     for i, example in enumerate(examples):
-        _, want = _torch_value_and_grads(loss, params, example)
-        _assert_close({k: v[i] for k, v in grads.items()}, {k: want[k] for k in params}, 5e-6)
+        _, want = torch_value_and_grads(loss, params, example)
+        assert_leaves_close({k: v[i] for k, v in grads.items()}, {k: want[k] for k in params}, 5e-6)
     eager = bridge_mr.from_torch(loss)(_jax(params), _jax(examples[0]))
-    assert float(eager) == pytest.approx(_torch_value_and_grads(loss, params, examples[0])[0])
+    assert float(eager) == pytest.approx(torch_value_and_grads(loss, params, examples[0])[0])
 
 
 def test_unbatched_input_matches_torch() -> None:
@@ -176,9 +150,9 @@ def test_unbatched_input_matches_torch() -> None:
     value, grads = jax.jit(jax.value_and_grad(bridge_mr.from_torch(loss), argnums=(0, 1)))(
         _jax(params), _jax(data)
     )
-    want_value, want = _torch_value_and_grads(loss, params, data)
+    want_value, want = torch_value_and_grads(loss, params, data)
     assert float(value) == pytest.approx(want_value, rel=5e-6)
-    _assert_close({**grads[0], **grads[1]}, want, 5e-6)
+    assert_leaves_close({**grads[0], **grads[1]}, want, 5e-6)
 
 
 @pytest.mark.parametrize("strategy", ["vmap", "per_client", "chunks", "auto"])
@@ -196,10 +170,10 @@ def test_map_reduce_strategies_match_a_torch_loop(strategy: Any) -> None:
         converted, params, stacked, strategy=strategy, chunk_size=chunk_size
     )
     value.backward()
-    results = [_torch_value_and_grads(loss, params, c) for c in clients]
+    results = [torch_value_and_grads(loss, params, c) for c in clients]
     assert value.item() == pytest.approx(np.mean([v for v, _ in results]), rel=5e-6)
     mean = {k: torch.stack([g[k] for _, g in results]).mean(0) for k in params}
-    _assert_close({k: p.grad for k, p in params.items()}, mean, 5e-6)  # type: ignore[misc]
+    assert_leaves_close({k: p.grad for k, p in params.items()}, mean, 5e-6)  # type: ignore[misc]
 
 
 def _stacked_lstm(dropout: float) -> tuple[nn.LSTM, dict[str, torch.Tensor], torch.Tensor]:
@@ -281,9 +255,9 @@ def test_a_cell_as_the_body_of_a_jax_scan_matches_torchs_loop() -> None:
     step_jaxpr = jax.make_jaxpr(jax_loss)(_jax(params), _jax(x))
     assert [e.params["length"] for e in step_jaxpr.eqns if e.primitive.name == "scan"] == [TIME]
     value, grads = jax.jit(jax.value_and_grad(jax_loss))(_jax(params), _jax(x))
-    want_value, want = _torch_value_and_grads(torch_loss, params, {"x": x})
+    want_value, want = torch_value_and_grads(torch_loss, params, {"x": x})
     assert float(value) == pytest.approx(want_value, rel=5e-6)
-    _assert_close(grads, {k: want[k] for k in params}, 5e-6)
+    assert_leaves_close(grads, {k: want[k] for k in params}, 5e-6)
 
 
 class AudioConvGRU(nn.Module):
@@ -318,7 +292,7 @@ def test_the_shakespeare_lstm_matches_torch_at_80_characters() -> None:
     want = loss(doubled, x, y)
     want.backward()
     assert float(value) == pytest.approx(want.item(), rel=1e-5)
-    _assert_close(grads, {k: v.grad for k, v in doubled.items()}, 5e-6)  # type: ignore[misc]
+    assert_leaves_close(grads, {k: v.grad for k, v in doubled.items()}, 5e-6)  # type: ignore[misc]
 
 
 # Float32: 1.6e-5 measured (BatchNorm statistics and convolution gradients in float32, see
@@ -357,7 +331,7 @@ def test_the_audio_model_over_100_frames_matches_a_torch_loop_in_map_reduce(
         after.append(b)
     assert value.item() == pytest.approx(np.mean(values), rel=rtol)
     mean_grads = {k: torch.stack([g[k] for g in grads]).mean(0) for k in params}
-    _assert_close({k: t.grad for k, t in params.items()}, mean_grads, rtol)  # type: ignore[misc]
+    assert_leaves_close({k: t.grad for k, t in params.items()}, mean_grads, rtol)  # type: ignore[misc]
     stats = ("norm.running_mean", "norm.running_var")
     want = {k: torch.stack([b[k] for b in after]).mean(0) for k in stats}
-    _assert_close({k: new_buffers[k].detach() for k in stats}, want, rtol)
+    assert_leaves_close({k: new_buffers[k].detach() for k in stats}, want, rtol)
