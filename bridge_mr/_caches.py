@@ -10,11 +10,25 @@ register. Imports only the standard library.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Clearable", "clear_all", "make_room", "register", "register_clear", "registered"]
+__all__ = [
+    "CACHE_DIR",
+    "Clearable",
+    "clear_all",
+    "disk_root",
+    "make_room",
+    "register",
+    "register_clear",
+    "registered",
+]
+
+#: The environment variable naming bridge_mr's cache directory on disk.
+CACHE_DIR = "BRIDGE_MR_CACHE_DIR"
 
 
 class Clearable(Protocol):
@@ -95,3 +109,14 @@ def make_room(cache: D, bound: int) -> D:
     while cache and len(cache) >= bound:
         del cache[next(iter(cache))]
     return cache
+
+
+def disk_root() -> Path:
+    """bridge_mr's cache directory on disk (read at each call): `$BRIDGE_MR_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/bridge_mr`, else `~/.cache/bridge_mr`. What is kept there (auto's
+    decisions, compiled programs) lives in a folder of its own; `clear_all` deletes none of it."""
+    root = os.environ.get(CACHE_DIR)
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = os.path.join(xdg, "bridge_mr") if xdg else os.path.expanduser("~/.cache/bridge_mr")
+    return Path(root)

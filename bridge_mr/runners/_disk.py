@@ -41,10 +41,10 @@ from typing import Any
 import jax
 from jax.experimental import serialize_executable
 
+from bridge_mr import _caches
+
 #: The environment variable that turns the compiled programs on disk off ("0").
 SWITCH = "BRIDGE_MR_COMPILATION_CACHE"
-#: The environment variable naming bridge_mr's cache directory.
-CACHE_DIR = "BRIDGE_MR_CACHE_DIR"
 #: Programs that compile faster than this are not written (reading costs about a millisecond).
 MIN_COMPILE_SECONDS = 0.2
 #: The format of the files; another format reads as a miss.
@@ -61,11 +61,7 @@ def directory() -> Path | None:
     """
     if os.environ.get(SWITCH, "1") == "0" or getattr(jax.config, "jax_compilation_cache_dir", None):
         return None
-    root = os.environ.get(CACHE_DIR)
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = os.path.join(xdg, "bridge_mr") if xdg else os.path.expanduser("~/.cache/bridge_mr")
-    return Path(root) / "xla"
+    return _caches.disk_root() / "xla"
 
 
 def compiled(

@@ -29,10 +29,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bridge_mr import _caches
+
 #: The environment variable that turns the decisions on disk off ("0").
 DISK_SWITCH = "BRIDGE_MR_AUTO_DISK"
-#: The environment variable naming bridge_mr's cache directory.
-CACHE_DIR = "BRIDGE_MR_CACHE_DIR"
 #: The format of the files; another format reads as no decision.
 FORMAT = 1
 
@@ -47,11 +47,7 @@ def directory() -> Path | None:
     """
     if os.environ.get(DISK_SWITCH, "1") == "0":
         return None
-    root = os.environ.get(CACHE_DIR)
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = os.path.join(xdg, "bridge_mr") if xdg else os.path.expanduser("~/.cache/bridge_mr")
-    return Path(root) / "auto"
+    return _caches.disk_root() / "auto"
 
 
 def name(parts: Mapping[str, Any]) -> str:
