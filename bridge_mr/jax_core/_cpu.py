@@ -36,7 +36,7 @@ from jax import lax
 from jax.extend import core
 from jax.extend.core.primitives import conv_general_dilated_p, reduce_sum_p
 
-from ._layouts import canonical_convolution
+from ._layouts import canonical_convolution, sharded
 from ._rewrite import Rule, equations, rewritten
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -172,7 +172,7 @@ def blocked_sum(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
     axes = tuple(sorted(eqn.params["axes"]))
     if not jnp.issubdtype(aval.dtype, jnp.floating) or aval.dtype == np.float64:
         return None
-    if getattr(getattr(aval, "sharding", None), "spec", None) and any(aval.sharding.spec):
+    if sharded(aval):
         return None  # A split of a sharded axis would need its sharding in the type.
     shape = tuple(aval.shape)
     if math.prod(shape[a] for a in axes) < MIN_BLOCKED:

@@ -79,7 +79,7 @@ def canonical_convolution(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
     avals: list[Any] = [atom.aval for atom in eqn.invars]
     if to_lhs == to_rhs == from_out == identity:
         return None
-    if eqn.params.get("out_sharding") is not None or any(map(_sharded, avals)):
+    if eqn.params.get("out_sharding") is not None or any(map(sharded, avals)):
         return None  # The shardings in the types would need the same permutations.
     canonical = lax.ConvDimensionNumbers(
         lhs_spec=(0, n + 1, *range(1, n + 1)),
@@ -95,7 +95,7 @@ def canonical_convolution(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
     return equations(convolution, eqn)
 
 
-def _sharded(aval: Any) -> bool:
+def sharded(aval: Any) -> bool:
     """Whether `aval` is sharded explicitly (an Explicit mesh axis in its type)."""
     spec = getattr(getattr(aval, "sharding", None), "spec", ())
     return any(axis is not None for axis in spec)
