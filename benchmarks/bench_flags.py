@@ -63,8 +63,6 @@ ROWS: dict[str, tuple[str, str, int, str]] = {
     "gpt2 fedsgd c16 vmap": ("gpt2", "fedsgd", 16, "vmap"),
 }
 CHUNK_SIZE = 16
-#: The GPT-2 row's converted loss (and its model), once built (for `--frontend`).
-_GPT2_LOSS: list[Any] = []
 
 
 def _program(row: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -106,16 +104,16 @@ def _program(row: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     )
 
 
-def _gpt2_fedsgd(clients: int, strategy: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """The gradient of a transformers GPT-2 (2 layers x 64, vocab 256) FedSGD round: `clients`
-    clients of 8 sequences of 32 tokens, the model's own `labels=` loss through `from_torch`."""
+def _gpt2_client(clients: int) -> tuple[Callable[..., Any], dict[str, Any], Any]:
+    """A transformers GPT-2 (2 layers x 64, vocab 256) client loss through `from_torch` (the
+    model's own `labels=` loss), its parameters, and `clients` clients of 8 sequences of 32
+    tokens."""
     import jax
     import jax.numpy as jnp
     import torch
     import transformers
 
     import bridge_mr
-    from bridge_mr import jax_core
 
     config = transformers.GPT2Config(
         vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
@@ -127,10 +125,18 @@ def _gpt2_fedsgd(clients: int, strategy: str) -> tuple[Callable[..., Any], tuple
     def loss(params: Any, ids: Any) -> Any:
         return torch.func.functional_call(model, params, (), {"input_ids": ids, "labels": ids}).loss
 
-    converted = bridge_mr.from_torch(loss)
-    _GPT2_LOSS[:] = [converted, model]
     params = {k: jnp.asarray(v.detach().numpy()) for k, v in model.named_parameters()}
     ids = jax.random.randint(jax.random.key(0), (clients, 8, 32), 0, 256)
+    return bridge_mr.from_torch(loss), params, ids
+
+
+def _gpt2_fedsgd(clients: int, strategy: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The gradient of the GPT-2 FedSGD round (`_gpt2_client`) through `jax_core.map_reduce`."""
+    import jax
+
+    from bridge_mr import jax_core
+
+    converted, params, ids = _gpt2_client(clients)
 
     def mean_loss(p: Any, d: Any) -> Any:
         return jax_core.map_reduce(converted, p, d, strategy=strategy)
@@ -164,8 +170,7 @@ def _frontend_alternatives() -> dict[str, Callable[[], Any] | str]:
 
     import bridge_mr
 
-    _, (params, ids) = _gpt2_fedsgd(16, "vmap")
-    converted = _GPT2_LOSS[0]
+    converted, params, ids = _gpt2_client(16)
     tensors = {k: torch.from_dlpack(v).clone().requires_grad_() for k, v in params.items()}
     ids_torch = torch.from_dlpack(ids).clone()
 
