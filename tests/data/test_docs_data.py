@@ -1,25 +1,22 @@
-"""The README's `bridge_mr.data` block runs as written and learns."""
+"""docs/data.md's whole loop runs as written and learns."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
-
-README = Path(__file__).resolve().parents[2] / "README.md"
+from helpers.docs import block
 
 
 @pytest.mark.slow
 def test_the_client_data_block_runs_and_learns(capsys: pytest.CaptureFixture[str]) -> None:
     import jax
 
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    (block,) = [b for b in blocks if "fd.Dirichlet" in b]
+    loop = block("docs/data.md", "fd.Dirichlet")
     namespace: dict[str, object] = {}
-    with jax.numpy_dtype_promotion("standard"):  # README code is user code.
-        exec(compile(block, "README bridge_mr.data block", "exec"), namespace)
+    with jax.numpy_dtype_promotion("standard"):  # Documented code is user code.
+        exec(compile(loop, "docs/data.md loop", "exec"), namespace)
     printed = re.search(r"test accuracy after 20 rounds: ([\d.]+)%", capsys.readouterr().out)
     assert printed is not None
     accuracy = namespace["accuracy"]

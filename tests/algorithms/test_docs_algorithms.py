@@ -1,9 +1,6 @@
-"""The README's `bridge_mr.algorithms` block runs as written and trains."""
+"""docs/algorithms.md's DiLoCo block runs as written and trains."""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 
@@ -11,19 +8,17 @@ import pytest
 pytest.importorskip("optax", reason="needs the algorithms extra: pip install .[algorithms]")
 
 import torch
-
-README = Path(__file__).resolve().parents[2] / "README.md"
+from helpers.docs import block
 
 
 @pytest.mark.slow
 def test_the_diloco_block_runs(capsys: pytest.CaptureFixture[str]) -> None:
     import jax
 
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    (block,) = [b for b in blocks if "alg.outer_step" in b and "nesterov=True" in b]
+    diloco = block("docs/algorithms.md", "alg.outer_step", "nesterov=True")
     namespace: dict[str, object] = {}
-    with jax.numpy_dtype_promotion("standard"):  # README code is user code.
-        exec(compile(block, "README algorithms block", "exec"), namespace)
+    with jax.numpy_dtype_promotion("standard"):  # Documented code is user code.
+        exec(compile(diloco, "docs/algorithms.md DiLoCo block", "exec"), namespace)
     assert "mean inner loss" in capsys.readouterr().out
     model = namespace["model"]
     assert isinstance(model, torch.nn.Module)
