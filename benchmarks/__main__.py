@@ -20,44 +20,41 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import (
-    cases_beam,
-    cases_boundary,
-    cases_data,
-    cases_diloco,
-    cases_federated,
-    cases_from_torch,
-    cases_limits,
-    cases_models,
-    cases_overhead,
-    cases_processes,
-    cases_recurrent,
-    cases_users_path,
-    environment,
-    harness,
-    report,
-    workloads,
+from . import environment, harness, report, workloads
+from .cases import (
+    beam,
+    boundary,
+    data,
+    diloco,
+    federated,
+    from_torch,
+    limits,
+    models,
+    overhead,
+    processes,
+    recurrent,
+    users_path,
 )
 from .workloads import users
 
 XLA_FLAGS = os.environ.get("XLA_FLAGS", "")  # As the user set them: bridge_mr sets none.
 
 CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
-    "boundary": cases_boundary.run,
-    "overhead": cases_overhead.run,
-    "fedsgd": lambda ctx: cases_federated.run_rounds(ctx, "fedsgd"),
-    "fedavg": lambda ctx: cases_federated.run_rounds(ctx, "fedavg"),
-    "scaling": cases_federated.run_scaling,
-    "limits": cases_limits.run,
-    "cnn": lambda ctx: cases_models.run(ctx, "cnn"),
-    "lm": lambda ctx: cases_models.run(ctx, "lm"),
-    "from_torch": cases_from_torch.run,
-    "processes": cases_processes.run,
-    "diloco": cases_diloco.run,
-    "beam": cases_beam.run,
-    "users_path": cases_users_path.run,
-    "data": cases_data.run,
-    "recurrent": cases_recurrent.run,
+    "boundary": boundary.run,
+    "overhead": overhead.run,
+    "fedsgd": lambda ctx: federated.run_rounds(ctx, "fedsgd"),
+    "fedavg": lambda ctx: federated.run_rounds(ctx, "fedavg"),
+    "scaling": federated.run_scaling,
+    "limits": limits.run,
+    "cnn": lambda ctx: models.run(ctx, "cnn"),
+    "lm": lambda ctx: models.run(ctx, "lm"),
+    "from_torch": from_torch.run,
+    "processes": processes.run,
+    "diloco": diloco.run,
+    "beam": beam.run,
+    "users_path": users_path.run,
+    "data": data.run,
+    "recurrent": recurrent.run,
 }
 
 
@@ -98,13 +95,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             dict.fromkeys(
                 workloads.ALTERNATIVES
                 + workloads.round_alternatives()
-                + cases_users_path.DEFAULT_ALTERNATIVES
+                + users_path.DEFAULT_ALTERNATIVES
             )
         ),
         metavar="NAME",
         help=f"federated cases: alternatives (default: {', '.join(workloads.ALTERNATIVES)}); "
         f"cnn and lm: of {', '.join(workloads.round_alternatives())} (default: all); "
-        f"users_path: of {', '.join(cases_users_path.DEFAULT_ALTERNATIVES)} and "
+        f"users_path: of {', '.join(users_path.DEFAULT_ALTERNATIVES)} and "
         "bridge_mr:STRATEGY (default: those)",
     )
     parser.add_argument("--no-xla", action="store_true", help="skip the torch-xla rows")

@@ -316,7 +316,7 @@ def fresh_process(python: str, module: str, *args: str) -> list[str]:
 def peak_rss(spec: Mapping[str, Any], *, calls: int, timeout_s: float = 600.0) -> dict[str, Any]:
     """Peak resident memory of a fresh Python process that builds and runs one workload.
 
-    The child (`python -m benchmarks._child`) imports the libraries, builds `spec` with
+    The child (`python -m benchmarks.workers.peak_rss`) imports the libraries, builds `spec` with
     `benchmarks.workloads.build`, runs it `calls` times (synced) and reports
     `resource.getrusage(RUSAGE_SELF).ru_maxrss`, before building and at the end.
 
@@ -329,7 +329,7 @@ def peak_rss(spec: Mapping[str, Any], *, calls: int, timeout_s: float = 600.0) -
       printed them but then exited with an error), or {"error": ...}.
     """
     command = fresh_process(
-        sys.executable, "benchmarks._child", json.dumps({**spec, "calls": calls})
+        sys.executable, "benchmarks.workers.peak_rss", json.dumps({**spec, "calls": calls})
     )
     try:
         done = subprocess.run(

@@ -26,7 +26,7 @@ timeout 150 python3 -m pytest tests/dlpack -q -p no:cacheprovider -rs 2>&1 | tee
 status=${PIPESTATUS[0]}
 
 for device in cuda cpu; do
-  timeout 30 python3 -m benchmarks.bench_dlpack --quick --device "$device" 2>&1 \
+  timeout 30 python3 -m benchmarks.studies.bench_dlpack --quick --device "$device" 2>&1 \
     | tee "$LOGS/bench_$device.txt"
 done
 exit "$status"

@@ -1,4 +1,4 @@
-"""Tensor exchange between torch and JAX (the "boundary" case and `benchmarks.bench_dlpack`)."""
+"""Tensor exchange between torch and JAX (the "boundary" case, `studies.bench_dlpack`)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ One round: every client starts from the server's parameters, takes `steps` SGD s
   convolutions (32, 64), a 2x2 max-pool, dense 128 and 10, on NCHW 32x32 images (pfl's
   NHWC-to-NCHW transpose and its two dropouts left out: the alternatives draw dropout masks
   from different generators, so their rounds would not be comparable value for value).
-* "gpt2": transformers' `GPT2LMHeadModel`, the model zoo's small config (`zoo.TRANSFORMERS`),
-  its own `labels=` loss on token windows.
+* "gpt2": transformers' `GPT2LMHeadModel`, the model zoo's small config
+  (`tests/helpers/zoo.py`: `zoo.TRANSFORMERS["gpt2"]`), its own `labels=` loss on token windows.
 * "resnet18": transformers' `ResNetForImageClassification`, ResNet-18's layout (basic blocks,
   depths 2-2-2-2) at a quarter of its widths (16-32-64-128), its BatchNorms made to use batch
   statistics only (`torch.func.replace_all_batch_norm_modules_`, as torch.func asks for vmap).
@@ -91,7 +91,7 @@ def build_model(model: str) -> Any:
     import transformers
 
     if model == "gpt2":
-        from .. import zoo
+        from helpers import zoo  # tests/helpers/zoo.py: see benchmarks/__init__.py
 
         _, _, fields = zoo.TRANSFORMERS["gpt2"]
         config = transformers.GPT2Config(**fields)
@@ -120,7 +120,7 @@ def data(cfg: UserConfig) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     lead = (cfg.clients, cfg.steps, cfg.batch)
     if cfg.model == "gpt2":
-        from ..zoo import SEQ, VOCAB
+        from helpers.zoo import SEQ, VOCAB
 
         return {"ids": rng.integers(0, VOCAB, size=(*lead, SEQ), dtype=np.int64)}
     return {

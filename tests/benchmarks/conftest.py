@@ -1,8 +1,7 @@
-"""The benchmarks package (not installed) imported from the project root, for these tests."""
+"""Fixtures of the benchmark tests (the benchmarks load through `helpers.bench.benchmark`)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -10,14 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import assert_trees_all_close
+from helpers.bench import benchmark
 
 
 @pytest.fixture(scope="module")
-def workloads(pytestconfig: pytest.Config) -> ModuleType:
-    """`benchmarks.workloads`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.workloads")
+def workloads() -> ModuleType:
+    return benchmark("workloads")
 
 
 @pytest.fixture(scope="module")

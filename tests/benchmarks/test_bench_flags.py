@@ -1,23 +1,21 @@
-"""`python -m benchmarks.bench_flags` on one small row: each setting compiles, runs, is reported."""
+"""`python -m benchmarks.studies.bench_flags` on one small row: each setting compiles, runs, is
+reported."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
-import pytest
+from helpers.bench import benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_flags_times_each_setting_of_a_row(capsys):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT))
-        bench_flags = importlib.import_module("benchmarks.bench_flags")
-        status = bench_flags.main(
-            ["--rows", "small fedsgd c64 vmap", "--settings", "none", "dot", "--reps", "2"]
-        )
+    bench_flags = benchmark("studies.bench_flags")
+    status = bench_flags.main(
+        ["--rows", "small fedsgd c64 vmap", "--settings", "none", "dot", "--reps", "2"]
+    )
     assert status == 0
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| small fedsgd c64 vmap |")]

@@ -7,12 +7,12 @@ child processes.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from pathlib import Path
 
 import pytest
+from helpers.bench import benchmark
 
 # drjax 0.2.1 reads a mesh through an API that jax 0.10 deprecates.
 pytestmark = pytest.mark.filterwarnings(
@@ -26,22 +26,20 @@ ALTERNATIVES = ("bridge_mr", "drjax")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("bench")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT))
-        main = importlib.import_module("benchmarks.__main__").main
-        status = main(
-            [
-                "--quick",
-                "--cases", "fedsgd",
-                "--models", "small",
-                "--clients", "4",
-                "--alternatives", *ALTERNATIVES,
-                "--reps", "2",
-                "--memory", "all",
-                "--no-xla",
-                "--out", str(out),
-            ]
-        )  # fmt: skip
+    main = benchmark("__main__").main
+    status = main(
+        [
+            "--quick",
+            "--cases", "fedsgd",
+            "--models", "small",
+            "--clients", "4",
+            "--alternatives", *ALTERNATIVES,
+            "--reps", "2",
+            "--memory", "all",
+            "--no-xla",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
     assert status == 0
     return out, json.loads((out / "results.json").read_text())
 

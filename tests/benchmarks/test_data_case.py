@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import pytest
 import torch
+from helpers.bench import benchmark
 
 
 @pytest.fixture(scope="module")
-def case(pytestconfig: pytest.Config) -> ModuleType:
-    """`benchmarks.cases_data`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.cases_data")
+def case() -> ModuleType:
+    return benchmark("cases.data")
 
 
-def test_the_case_is_registered(case: ModuleType, pytestconfig: pytest.Config) -> None:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        main = importlib.import_module("benchmarks.__main__")
+def test_the_case_is_registered(case: ModuleType) -> None:
+    main = benchmark("__main__")
     assert main.CASES["data"] is case.run
     assert case.QUICK_CLIENTS == (8, 50)
     assert case.FULL_CLIENTS == (50, 500)
@@ -42,7 +37,7 @@ def test_both_builders_give_a_round_of_the_clients_own_images(case: ModuleType) 
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_the_fraction_of_the_round(case: ModuleType) -> None:
-    harness = importlib.import_module("benchmarks.harness")
+    harness = benchmark("harness")
     policy = harness.TimingPolicy(reps=2, min_reps=2, warmup=1, min_sample_s=0.0, budget_s=1.0)
     ctx = harness.Context(quick=True, policy=policy, alternatives=(), clients=(2,))
     result = case.run(ctx)

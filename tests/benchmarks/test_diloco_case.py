@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import pytest
+from helpers.bench import benchmark
 
 
 @pytest.fixture(scope="module")
-def case(pytestconfig: pytest.Config) -> ModuleType:
-    """`benchmarks.cases_diloco`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.cases_diloco")
+def case() -> ModuleType:
+    return benchmark("cases.diloco")
 
 
-def test_the_case_is_registered(case: ModuleType, pytestconfig: pytest.Config) -> None:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        main = importlib.import_module("benchmarks.__main__")
+def test_the_case_is_registered(case: ModuleType) -> None:
+    main = benchmark("__main__")
     assert main.CASES["diloco"] is case.run
     assert [cfg.replicas for cfg in case.QUICK] == [cfg.replicas for cfg in case.FULL] == [8, 64]
 
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_rows_that_agree(case: ModuleType) -> None:
-    harness = importlib.import_module("benchmarks.harness")
+    harness = benchmark("harness")
     policy = harness.TimingPolicy(reps=2, min_reps=2, warmup=1, min_sample_s=0.0, budget_s=1.0)
     ctx = harness.Context(quick=True, policy=policy, alternatives=(), memory="none")
     tiny = case.DilocoConfig(3, inner_steps=2, batch=2, context=8, d_model=16, layers=1, heads=2)

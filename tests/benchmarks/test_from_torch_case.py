@@ -3,12 +3,12 @@ the rows and the issue's two targets."""
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.bench import benchmark
 
 # The case's torch loss calls `.long()` on int32 labels, which JAX (x64 off) computes in int32
 # with a warning.
@@ -18,11 +18,8 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 @pytest.fixture(scope="module")
-def case(pytestconfig: pytest.Config) -> ModuleType:
-    """`benchmarks.cases_from_torch`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.cases_from_torch")
+def case() -> ModuleType:
+    return benchmark("cases.from_torch")
 
 
 def _tiny(workloads: ModuleType, clients: int) -> Any:
@@ -40,7 +37,7 @@ def test_labels_are_the_cnn_rounds_classes(case: ModuleType, workloads: ModuleTy
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_rows_and_targets(case: ModuleType, workloads: ModuleType) -> None:
-    harness = importlib.import_module("benchmarks.harness")
+    harness = benchmark("harness")
     policy = harness.TimingPolicy(reps=2, min_reps=2, warmup=1, min_sample_s=0.0, budget_s=1.0)
     ctx = harness.Context(quick=True, policy=policy, alternatives=(), memory="none")
     result = case.run(ctx, configs=[_tiny(workloads, 2)])

@@ -3,18 +3,15 @@ payload's all-reduce and the per-call agreement; the case turns them into rows."
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import pytest
+from helpers.bench import benchmark
 
 
 @pytest.fixture(scope="module")
-def case(pytestconfig: pytest.Config) -> ModuleType:
-    """`benchmarks.cases_processes`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.cases_processes")
+def case() -> ModuleType:
+    return benchmark("cases.processes")
 
 
 def test_payload_counts_the_mlp_parameters(case: ModuleType) -> None:

@@ -3,10 +3,10 @@ equal program sizes) and a Shakespeare LSTM round equal to the torch loop's."""
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import pytest
+from helpers.bench import benchmark
 
 # The case's torch loss calls `.long()` on int32 labels, which JAX (x64 off) computes in int32
 # with a warning.
@@ -16,16 +16,13 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 @pytest.fixture(scope="module")
-def case(pytestconfig: pytest.Config) -> ModuleType:
-    """`benchmarks.cases_recurrent`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.cases_recurrent")
+def case() -> ModuleType:
+    return benchmark("cases.recurrent")
 
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_rows_and_the_target(case: ModuleType) -> None:
-    harness = importlib.import_module("benchmarks.harness")
+    harness = benchmark("harness")
     policy = harness.TimingPolicy(reps=2, min_reps=2, warmup=1, min_sample_s=0.0, budget_s=1.0)
     ctx = harness.Context(quick=True, policy=policy, alternatives=(), memory="none")
     tiny = case.ShakespeareConfig(clients=2, local_steps=2, batch=2, seq=6)

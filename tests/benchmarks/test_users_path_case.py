@@ -11,6 +11,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from helpers.bench import benchmark
 
 # torch.func.vmap of GPT-2's sdpa attention runs torch's per-example fallback, and says so.
 pytestmark = pytest.mark.filterwarnings(
@@ -19,20 +20,17 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 @pytest.fixture(scope="module")
-def case(pytestconfig: pytest.Config) -> ModuleType:
-    """`benchmarks.cases_users_path`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(pytestconfig.rootpath))
-        return importlib.import_module("benchmarks.cases_users_path")
+def case() -> ModuleType:
+    return benchmark("cases.users_path")
 
 
 @pytest.fixture(scope="module")
 def users(case: ModuleType) -> ModuleType:
-    return importlib.import_module("benchmarks.workloads.users")
+    return benchmark("workloads.users")
 
 
 def _quick_ctx(alternatives: tuple[str, ...] | None = None) -> object:
-    harness = importlib.import_module("benchmarks.harness")
+    harness = benchmark("harness")
     return harness.Context(
         quick=True, policy=harness.QUICK, alternatives=(), round_alternatives=alternatives
     )

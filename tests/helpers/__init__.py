@@ -1,4 +1,4 @@
-"""Helpers shared by the test suite; `import helpers` imports neither torch nor bridge_mr.
+"""Helpers shared by the test suite; `import helpers` imports neither torch, JAX nor bridge_mr.
 
 helpers                 assert_trees_all_close
 helpers.precision       precisions(): float64 (x64 leg) and float32 (default leg) params;
@@ -6,13 +6,16 @@ helpers.precision       precisions(): float64 (x64 leg) and float32 (default leg
 helpers.child           run_python(): a script in a fresh interpreter
 helpers.beam            jit_of(), assert_close(), local_sgd(), the CNN: the Beam tests'
 helpers.examples        example_module(): an examples/*.py script as a module
+helpers.jaxprs          live_shapes(), count_equations()
+helpers.zoo             the small-model zoo (torch only; the benchmarks import it too)
+helpers.fuzz            the differential fuzz harness of tests/torch_api/test_fuzz.py
+helpers.bench           benchmark(): a module of benchmarks/, for tests/benchmarks/ only
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
 
@@ -32,6 +35,8 @@ def assert_trees_all_close(
     actual: Any, expected: Any, *, rtol: float = 1e-6, atol: float = 1e-6, check_dtype: bool = False
 ) -> None:
     """Asserts two pytrees have the same structure and leaf-wise close values (and shapes)."""
+    import jax  # Here: the benchmarks import `helpers.zoo`, also where there is no JAX.
+
     actual_leaves, actual_def = jax.tree.flatten(actual)
     expected_leaves, expected_def = jax.tree.flatten(expected)
     assert actual_def == expected_def, f"tree structures differ: {actual_def} vs {expected_def}"

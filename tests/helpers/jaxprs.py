@@ -19,3 +19,9 @@ def live_shapes(jaxpr: Any) -> list[tuple[int, ...]]:
         for sub in jex_core.jaxprs_in_params(eqn.params):
             shapes += live_shapes(sub)
     return shapes
+
+
+def count_equations(jaxpr: Any) -> int:
+    """Equations of a (closed) jaxpr, those of its sub-jaxprs (scan bodies, ...) included."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    return len(inner.eqns) + sum(count_equations(sub) for sub in jex_core.subjaxprs(inner))

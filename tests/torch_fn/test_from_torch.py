@@ -1,9 +1,9 @@
 """`bridge_mr.from_torch`: torch-written client code, differential against pure torch.
 
-Every model of the zoo runs through `map_reduce` as FedSGD (the mean loss, and gradients in
-`.grad`) and as a FedAvg round with local steps (a `lax.scan` of `jax.grad` over the converted
-loss), for several client counts, against a pure-torch loop over per-client copies. x64 is off,
-labels are torch's default int64.
+Every tiny net of the zoo (`TINY` of tests/helpers/zoo.py: one per layer family) runs through
+`map_reduce` as FedSGD (the mean loss, and gradients in `.grad`) and as a FedAvg round with
+local steps (a `lax.scan` of `jax.grad` over the converted loss), for several client counts,
+against a pure-torch loop over per-client copies. x64 is off, labels are torch's default int64.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import zoo
 from jax.sharding import AxisType
 from torch import nn
 
@@ -35,95 +36,8 @@ RTOL, ATOL = 2e-4, 2e-5
 LR = 0.1
 
 
-# ---------------------------------------------------------------------------------------------
-# The zoo: each model, its input maker, and whether it has buffers that training updates.
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.norm, self.fc2 = nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.norm(self.fc1(x))))
-
-
-class BatchNormCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 4 * 4, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.avg_pool2d(F.relu(self.bn(self.conv(x))), 2)
-        return self.fc(h.flatten(1))
-
-
-class GroupNormCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.norm = nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4)
-        self.fc = nn.Linear(4 * 4 * 4, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.max_pool2d(F.silu(self.norm(self.conv(x))), 2)
-        return self.fc(h.flatten(1))
-
-
-class Recurrent(nn.Module):
-    def __init__(self, kind: type[nn.LSTM] | type[nn.GRU]) -> None:
-        super().__init__()
-        self.rnn, self.fc = kind(6, 8, batch_first=True), nn.Linear(8, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.rnn(x)
-        return self.fc(out[:, -1])
-
-
-class Transformer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(20, 16)
-        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-        self.fc = nn.Linear(16, 5)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.layer(self.embed(tokens)).mean(1))
-
-
-def _images(g: torch.Generator, *lead: int) -> torch.Tensor:
-    return torch.randn(*lead, 1, 8, 8, generator=g)
-
-
-ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor]]] = {
-    "mlp": (MLP, lambda g, *lead: torch.randn(*lead, 12, generator=g)),
-    "cnn_batchnorm": (BatchNormCNN, _images),
-    "cnn_groupnorm": (GroupNormCNN, _images),
-    "lstm": (lambda: Recurrent(nn.LSTM), lambda g, *lead: torch.randn(*lead, 7, 6, generator=g)),
-    "gru": (lambda: Recurrent(nn.GRU), lambda g, *lead: torch.randn(*lead, 7, 6, generator=g)),
-    "transformer": (Transformer, lambda g, *lead: torch.randint(20, (*lead, 7), generator=g)),
-}
-
-
-def _make(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    return ZOO[name][0]()
-
-
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-def _data(name: str, *lead: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {"x": ZOO[name][1](g, *lead), "y": torch.randint(5, (*lead,), generator=g)}
-
-
-def _client_loss(model: nn.Module) -> Callable[..., torch.Tensor]:
-    def loss(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(torch.func.functional_call(model, state, (x,)), y)
-
-    return loss
 
 
 def _close(actual: Any, expected: Any, what: str) -> None:
@@ -143,11 +57,11 @@ def _close(actual: Any, expected: Any, what: str) -> None:
 
 
 @pytest.mark.parametrize("clients", [1, 3])
-@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("name", list(zoo.TINY))
 def test_fedsgd_through_map_reduce_matches_a_torch_loop(name: str, clients: int) -> None:
-    model = _make(name)
-    data = _data(name, clients, 4)
-    torch_loss = _client_loss(model)
+    model = zoo.tiny(name)
+    data = zoo.tiny_data(name, clients, 4)
+    torch_loss = zoo.tiny_loss(model)
     has_buffers = bool(dict(model.named_buffers()))
 
     def fn(state: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> Any:
@@ -186,7 +100,7 @@ def test_fedsgd_through_map_reduce_matches_a_torch_loop(name: str, clients: int)
 
 def _fedavg_update(model: nn.Module) -> Callable[..., Any]:
     names = tuple(k for k, _ in model.named_parameters())
-    step_loss = bridge_mr.from_torch(_client_loss(model), mutable=0)
+    step_loss = bridge_mr.from_torch(zoo.tiny_loss(model), mutable=0)
 
     def client_update(server: dict[str, jax.Array], data: dict[str, jax.Array]) -> Any:
         def one(state: dict[str, jax.Array], xy: tuple[jax.Array, jax.Array]) -> Any:
@@ -229,8 +143,8 @@ def _torch_fedavg(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, 
 @pytest.mark.parametrize("clients", [1, 4])
 @pytest.mark.parametrize("name", ["mlp", "cnn_batchnorm", "lstm", "transformer"])
 def test_fedavg_round_with_local_steps_matches_a_torch_loop(name: str, clients: int) -> None:
-    model = _make(name)
-    data = _data(name, clients, 3, 4)  # [clients, local steps, batch, ...]
+    model = zoo.tiny(name)
+    data = zoo.tiny_data(name, clients, 3, 4)  # [clients, local steps, batch, ...]
     state = {k: v.detach() for k, v in _state(model).items()}
     got = bridge_mr.map_reduce(_fedavg_update(model), state, data)
     expected = _torch_fedavg(model, data)
@@ -240,7 +154,7 @@ def test_fedavg_round_with_local_steps_matches_a_torch_loop(name: str, clients: 
 
 
 def test_fedavg_training_loop_converges_and_traces_once() -> None:
-    model = _make("cnn_batchnorm")
+    model = zoo.tiny("cnn_batchnorm")
     g = torch.Generator().manual_seed(2)
     # A learnable task: the label is the quadrant of the brightest pixel.
     x = torch.randn(4, 2, 16, 1, 8, 8, generator=g)
@@ -276,9 +190,9 @@ def test_fedavg_training_loop_converges_and_traces_once() -> None:
 
 
 def test_a_conversion_reuses_its_trace_and_a_new_one_sees_eval_mode() -> None:
-    model = _make("cnn_batchnorm")
-    data = _data("cnn_batchnorm", 2, 4)
-    loss = _client_loss(model)
+    model = zoo.tiny("cnn_batchnorm")
+    data = zoo.tiny_data("cnn_batchnorm", 2, 4)
+    loss = zoo.tiny_loss(model)
 
     def fn(state: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return loss(state, batch["x"], batch["y"])
@@ -298,11 +212,11 @@ def test_a_conversion_reuses_its_trace_and_a_new_one_sees_eval_mode() -> None:
 
 
 def test_a_torch_optimizer_loop_through_fedsgd_converges() -> None:
-    model = _make("mlp")
+    model = zoo.tiny("mlp")
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 32, 12, generator=g)
     y = (x[..., :5]).argmax(-1)
-    fn = bridge_mr.from_torch(lambda s, b: _client_loss(model)(s, b["x"], b["y"]))
+    fn = bridge_mr.from_torch(lambda s, b: zoo.tiny_loss(model)(s, b["x"], b["y"]))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     losses = []
     for _ in range(30):
@@ -321,9 +235,9 @@ def test_a_torch_optimizer_loop_through_fedsgd_converges() -> None:
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", ["cnn_groupnorm", "gru", "transformer"])
 def test_value_and_grad_match_torch_autograd(name: str, jit: bool) -> None:
-    model = _make(name)
-    data = _data(name, 6)
-    converted = bridge_mr.from_torch(_client_loss(model))
+    model = zoo.tiny(name)
+    data = zoo.tiny_data(name, 6)
+    converted = bridge_mr.from_torch(zoo.tiny_loss(model))
     params = {k: jnp.asarray(p.detach().numpy()) for k, p in model.named_parameters()}
     x, y = jnp.asarray(data["x"].numpy()), jnp.asarray(data["y"].numpy().astype(np.int32))
     value_and_grad = jax.value_and_grad(converted)
@@ -336,9 +250,9 @@ def test_value_and_grad_match_torch_autograd(name: str, jit: bool) -> None:
 
 
 def test_vmap_over_clients_matches_per_client_calls() -> None:
-    model = _make("lstm")
-    data = _data("lstm", 3, 4)
-    converted = bridge_mr.from_torch(_client_loss(model))
+    model = zoo.tiny("lstm")
+    data = zoo.tiny_data("lstm", 3, 4)
+    converted = bridge_mr.from_torch(zoo.tiny_loss(model))
     params = {k: jnp.asarray(p.detach().numpy()) for k, p in model.named_parameters()}
     x, y = jnp.asarray(data["x"].numpy()), jnp.asarray(data["y"].numpy().astype(np.int32))
     batched = jax.vmap(converted, in_axes=(None, 0, 0))(params, x, y)
@@ -347,12 +261,12 @@ def test_vmap_over_clients_matches_per_client_calls() -> None:
 
 
 def test_batchnorm_eval_mode_uses_the_running_statistics_unchanged() -> None:
-    model = _make("cnn_batchnorm")
+    model = zoo.tiny("cnn_batchnorm")
     with torch.no_grad():
         model.bn.running_mean.uniform_(-1, 1)
         model.bn.running_var.uniform_(0.5, 2)
     model.eval()
-    x = _data("cnn_batchnorm", 4)["x"]
+    x = zoo.tiny_data("cnn_batchnorm", 4)["x"]
     converted = bridge_mr.from_torch(
         lambda s, x: torch.func.functional_call(model, s, (x,)), mutable=0
     )
@@ -577,14 +491,14 @@ def test_coverage_table_is_the_zoo() -> None:
     doc = Path(__file__).resolve().parents[2] / "docs" / "from_torch.md"
     layers = doc.read_text().split("\n## Models users train", 1)[0]  # (test_model_zoo: the rest)
     rows = re.findall(r"^\| `(\w+)` \|", layers, re.M)
-    assert sorted(rows) == sorted(ZOO), "docs/from_torch.md's table and the zoo differ"
+    assert sorted(rows) == sorted(zoo.TINY), "docs/from_torch.md's table and the zoo differ"
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_sharded_over_clients_equals_unsharded(axis_type: str) -> None:
-    model = _make("cnn_batchnorm")
-    data = _data("cnn_batchnorm", 8, 4)
-    loss = _client_loss(model)
+    model = zoo.tiny("cnn_batchnorm")
+    data = zoo.tiny_data("cnn_batchnorm", 8, 4)
+    loss = zoo.tiny_loss(model)
     fn = bridge_mr.from_torch(lambda s, b: loss(s, b["x"], b["y"]), mutable=0)
     mesh = jax.make_mesh((8,), ("clients",), axis_types=(getattr(AxisType, axis_type),))
 

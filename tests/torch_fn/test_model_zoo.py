@@ -1,8 +1,8 @@
 """`from_torch` on the models torch users train: transformers (text and vision) and torch.nn's.
 
-The zoo is `benchmarks/zoo.py` (small random-init configs, dropout off, int64 labels and token
-ids, the client loss written with `torch.func.functional_call` and the model's own `labels=`
-loss or `F.cross_entropy`). For each model:
+The zoo is `ZOO` of `tests/helpers/zoo.py` (small random-init configs, dropout off, int64
+labels and token ids, the client loss written with `torch.func.functional_call` and the model's
+own `labels=` loss or `F.cross_entropy`). For each model:
 
 * loss and gradients of `jax.jit(jax.value_and_grad(from_torch(loss)))` against torch
   autograd (and BatchNorm's new running statistics, through `mutable=`);
@@ -24,11 +24,9 @@ ResNet, 1.2x EfficientNet); it runs in float64 too (1e-9).
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jax
@@ -36,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import zoo
 from helpers.precision import assert_leaves_close, leaf_errors
 
 import bridge_mr
@@ -46,14 +45,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "from_torch.md"
 
 
-def _zoo() -> ModuleType:
-    """`benchmarks.zoo`, imported with the project root on sys.path."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT))
-        return importlib.import_module("benchmarks.zoo")
-
-
-zoo = _zoo()
 NAMES = list(zoo.ZOO)
 BATCH_NORM = [name for name in NAMES if zoo.ZOO[name].batch_norm]
 # Seconds of first-call compilation on this machine's 2 CPUs: the slow mark is for the long ones.

@@ -13,10 +13,7 @@ GRU audio model over 100 frames). Packed sequences: `test_packed.py`.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jax
@@ -24,28 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import zoo
+from helpers.jaxprs import count_equations
 from helpers.precision import assert_leaves_close, precisions, torch_value_and_grads
 from torch import nn
 
 import bridge_mr
 from bridge_mr.torch_fn import UnsupportedTorchOperation
 
-ROOT = Path(__file__).resolve().parents[2]
-
 # The zoo's losses call `.long()` on int32 labels: JAX (x64 off) keeps them int32 and warns.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Explicitly requested dtype int64 requested in astype:UserWarning"
 )
 
-
-def _case() -> ModuleType:
-    """`benchmarks.cases_recurrent` (its models and equation count), imported from the root."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT))
-        return importlib.import_module("benchmarks.cases_recurrent")
-
-
-case = _case()
 
 # name -> (module class, options, whether the initial state is given)
 LAYERS: dict[str, tuple[Callable[..., nn.RNNBase], dict[str, Any], bool]] = {
@@ -212,16 +200,16 @@ def test_dropout_without_a_key_says_to_convert_with_rng() -> None:
 
 
 def test_the_traced_program_does_not_grow_with_the_sequence_length() -> None:
-    model = case.gru_classifier()
+    model = zoo.gru_classifier()
     params = _jax({k: v.detach() for k, v in model.named_parameters()})
-    step = jax.value_and_grad(bridge_mr.from_torch(case.sequence_loss(model)))
+    step = jax.value_and_grad(bridge_mr.from_torch(zoo.sequence_loss(model)))
 
     def equations(length: int) -> int:
         x, y = jnp.zeros((2, length, 16)), jnp.zeros((2,), jnp.int32)
         jaxpr = jax.make_jaxpr(step)(params, x, y)
         scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
         assert {e.params["length"] for e in scans} == {length}, "no scan over time"
-        return case.count_equations(jaxpr)
+        return count_equations(jaxpr)
 
     equations(3)  # The first trace of a process also holds torchax's one-off key creation.
     assert equations(10) == equations(200)
@@ -279,11 +267,11 @@ class AudioConvGRU(nn.Module):
 
 @pytest.mark.slow
 def test_the_shakespeare_lstm_matches_torch_at_80_characters() -> None:
-    model = case.shakespeare_model()
+    model = zoo.shakespeare_model()
     params = {k: v.detach() for k, v in model.named_parameters()}
     text = torch.randint(0, 80, (2, 81), generator=torch.Generator().manual_seed(2))
     x, y = text[:, :-1], text[:, 1:]
-    loss = case.sequence_loss(model)
+    loss = zoo.sequence_loss(model)
     value, grads = jax.jit(jax.value_and_grad(bridge_mr.from_torch(loss)))(
         _jax(params), _jax(x, jnp.int32), _jax(y, jnp.int32)
     )

@@ -1,7 +1,7 @@
 """The torchrun worker of the "processes" case: times FedSGD / FedAvg rounds over every rank's
 clients, and (with several processes) one all-reduce of the payload and one agreement.
 
-    python -m torch.distributed.run --nproc-per-node=K -m benchmarks.processes_worker \
+    python -m torch.distributed.run --nproc-per-node=K -m benchmarks.workers.processes \
         OUT.json CLIENTS REPS HIDDEN[,HIDDEN...]
 
 (from the repository root: the rounds are timed by `benchmarks.harness`).
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from . import harness  # noqa: E402
+from .. import harness  # noqa: E402
 
 FEATURES, CLASSES, BATCH, LOCAL_STEPS = 64, 10, 32, 2
 

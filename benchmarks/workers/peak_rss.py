@@ -1,6 +1,6 @@
 """Child process for peak-memory measurement: builds one round, runs it, prints its peak RSS.
 
-Usage: python -m benchmarks._child '{"alternative": ..., "config": {...}, "calls": n}'
+Usage: python -m benchmarks.workers.peak_rss '{"alternative": ..., "config": {...}, "calls": n}'
 ("workload": "round" makes "config" a `workloads.RoundConfig`, else a `FedConfig`)
 Prints one JSON line {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} (ru_maxrss is in KiB on
 Linux); exits non-zero if the round cannot be built or fails. XLA_FLAGS comes from the parent's
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     import jax  # noqa: F401  (imported before measuring the import baseline)
     import torch  # noqa: F401
 
-    from . import harness, workloads
+    from .. import harness, workloads
 
     import_rss = _max_rss_mb()
     kind = workloads.RoundConfig if spec.get("workload") == "round" else workloads.FedConfig

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
+from helpers.bench import benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_the_beam_case_reports_beam_and_jit_rows_of_both_models(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT))
-    main = importlib.import_module("benchmarks.__main__").main
+def test_the_beam_case_reports_beam_and_jit_rows_of_both_models(tmp_path):
+    main = benchmark("__main__").main
     status = main(
         ["--quick", "--cases", "beam", "--clients", "4", "9", "--memory", "none", "--no-xla",
          "--out", str(tmp_path)]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import harness, report, workloads
+from .. import harness, report, workloads
 
 BRIDGE_MR = "bridge_mr"
 TORCH_LOOP = "torch_loop"
@@ -61,74 +61,24 @@ def _torch() -> Any:
     return torch
 
 
-def shakespeare_model(vocab: int = 80, seed: int = 0) -> Any:
-    """The Shakespeare next-character model: embedding 8, 2-layer LSTM 256 (batch_first),
-    a linear head over the vocabulary at every position."""
-    nn = _torch().nn
+def _zoo() -> Any:
+    """`tests/helpers/zoo.py`, the models (`shakespeare_model`, `gru_classifier`,
+    `sequence_loss`): see benchmarks/__init__.py."""
+    from helpers import zoo
 
-    class ShakespeareLSTM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(vocab, 8)
-            self.lstm = nn.LSTM(8, 256, num_layers=2, batch_first=True)
-            self.head = nn.Linear(256, vocab)
-
-        def forward(self, tokens: Any) -> Any:
-            out, _ = self.lstm(self.embed(tokens))
-            return self.head(out)
-
-    _torch().manual_seed(seed)
-    return ShakespeareLSTM()
-
-
-def gru_classifier(seed: int = 0) -> Any:
-    """The issue's GRU classifier: 2-layer bidirectional GRU 16 -> 32 (batch_first), a linear
-    head on the last step's 64 features, 10 classes."""
-    nn = _torch().nn
-
-    class GRUClassifier(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gru = nn.GRU(16, 32, num_layers=2, bidirectional=True, batch_first=True)
-            self.head = nn.Linear(64, 10)
-
-        def forward(self, x: Any) -> Any:
-            out, _ = self.gru(x)
-            return self.head(out[:, -1])
-
-    _torch().manual_seed(seed)
-    return GRUClassifier()
-
-
-def sequence_loss(model: Any) -> Callable[[Any, Any, Any], Any]:
-    """(params, inputs, int labels) -> mean cross-entropy of `model`'s logits (any leading
-    axes: [batch, classes] or [batch, time, classes])."""
-    torch = _torch()
-
-    def loss(params: dict[str, Any], x: Any, y: Any) -> Any:
-        logits = torch.func.functional_call(model, params, (x,))
-        return torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten().long())
-
-    return loss
-
-
-def count_equations(jaxpr: Any) -> int:
-    """Equations of a (closed) jaxpr, those of its sub-jaxprs (scan bodies, ...) included."""
-    from jax.extend.core import subjaxprs
-
-    inner = getattr(jaxpr, "jaxpr", jaxpr)
-    return len(inner.eqns) + sum(count_equations(sub) for sub in subjaxprs(inner))
+    return zoo
 
 
 def _gru_lengths(ctx: harness.Context, case: report.CaseResult, lengths: tuple[int, ...]) -> None:
     import jax
     import jax.numpy as jnp
+    from helpers.jaxprs import count_equations
 
     import bridge_mr
 
-    model = gru_classifier()
+    model = _zoo().gru_classifier()
     params = {n: jnp.asarray(p.detach().numpy()) for n, p in model.named_parameters()}
-    step = jax.value_and_grad(bridge_mr.from_torch(sequence_loss(model)))
+    step = jax.value_and_grad(bridge_mr.from_torch(_zoo().sequence_loss(model)))
     rng = np.random.default_rng(0)
     # Untimed: imports torchax and warms JAX's caches of library functions. Another shape than
     # those measured: the first trace of a process also holds the creation of torchax's key.
@@ -186,16 +136,16 @@ def build_shakespeare_bridge_mr(cfg: ShakespeareConfig) -> Callable[[], Any]:
     """The round through `bridge_mr.map_reduce` of `workloads.local_sgd` on `from_torch`."""
     import bridge_mr
 
-    model = shakespeare_model(cfg.vocab)
+    model = _zoo().shakespeare_model(cfg.vocab)
     server = {name: p.detach().clone() for name, p in model.named_parameters()}
-    loss = bridge_mr.from_torch(sequence_loss(model))
+    loss = bridge_mr.from_torch(_zoo().sequence_loss(model))
     update = workloads.local_sgd(lambda p, batch: loss(p, *batch), cfg.lr)
     return workloads.bridge_mr_fedavg(update, server, shakespeare_data(cfg), no_grad=False)
 
 
 def build_shakespeare_torch_loop(cfg: ShakespeareConfig) -> Callable[[], Any]:
     """The round as a torch loop over clients (`workloads.torch_fedavg_loop`)."""
-    model = shakespeare_model(cfg.vocab)
+    model = _zoo().shakespeare_model(cfg.vocab)
     x, y = shakespeare_data(cfg)
     nn_loss = _torch().nn.functional.cross_entropy
 
@@ -220,7 +170,7 @@ def _shakespeare(ctx: harness.Context, case: report.CaseResult, cfg: Shakespeare
         float((a - b).detach().abs().max())
         for a, b in zip(after_first[BRIDGE_MR], after_first[TORCH_LOOP], strict=True)
     )
-    initial = [p.detach() for p in shakespeare_model(cfg.vocab).parameters()]
+    initial = [p.detach() for p in _zoo().shakespeare_model(cfg.vocab).parameters()]
     moved = max(
         float((a - b).detach().abs().max())
         for a, b in zip(after_first[TORCH_LOOP], initial, strict=True)

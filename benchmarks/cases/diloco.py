@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from . import harness, report
+from .. import harness, report
 
 BRIDGE_MR = "bridge_mr"
 TORCH_LOOP = "torch_loop"

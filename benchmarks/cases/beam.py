@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import harness, report
+from .. import harness, report
 
 FN_API = "beam FnApiRunner"
 DASK = "beam DaskRunner (2 workers)"

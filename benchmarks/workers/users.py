@@ -1,6 +1,6 @@
 """One alternative of the "users_path" case in a process of its own, serving rounds on request.
 
-    python -m benchmarks.users_worker '{"alternative": ..., "config": {...}, "save": PATH}'
+    python -m benchmarks.workers.users '{"alternative": ..., "config": {...}, "save": PATH}'
 
 Started fresh by the case (through `harness.peak_rss`'s launcher, so that its peak RSS is its
 own), it builds the round (`workloads.users`), runs the first round timed (trace and compile
@@ -44,8 +44,8 @@ def main(argv: list[str]) -> int:
     import numpy as np
     import torch
 
-    from . import harness
-    from .workloads import users
+    from .. import harness
+    from ..workloads import users
 
     if spec["alternative"].startswith("bridge_mr"):
         import jax  # noqa: F401  (part of the import baseline, as torch is)

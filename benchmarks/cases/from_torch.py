@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import harness, report, workloads
+from .. import harness, report, workloads
 
 JAX_TWIN = "bridge_mr_jax"
 FROM_TORCH = "bridge_mr_from_torch"

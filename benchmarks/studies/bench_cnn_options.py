@@ -1,6 +1,6 @@
 """XLA:CPU's options for the CNN round's per-client convolutions, compared in one process.
 
-    python -m benchmarks.bench_cnn_options [--clients N] [--reps N] [--variants NAME ...]
+    python -m benchmarks.studies.bench_cnn_options [--clients N] [--reps N] [--variants NAME ...]
 
 The program is the README's CNN round (`workloads.users`, "cnn": pfl-research's simple_cnn
 written in torch, `from_torch` + `algorithms.local_training(optax.sgd)`) as
@@ -30,8 +30,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import harness
-from .environment import LoadMeter
+from .. import harness
+from ..environment import LoadMeter
 
 _NO_MT = {"xla_cpu_multi_thread_eigen": False}
 #: Variant -> (clients per scan step, unrolled; XLA compiler options added to bridge_mr's).
@@ -75,7 +75,7 @@ def _round(per_step: int, clients: int) -> tuple[Callable[..., Any], tuple[Any, 
     from bridge_mr import algorithms as alg
     from bridge_mr import jax_core
 
-    from .workloads import users
+    from ..workloads import users
 
     cfg = users.UserConfig("cnn", clients)
     net = users.build_model("cnn")
@@ -136,7 +136,7 @@ def _max_difference(a: Any, b: Any) -> float:
 
 def main(argv: list[str]) -> int:
     """Compiles, checks and times the variants; prints a table and a JSON line."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_cnn_options")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.bench_cnn_options")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))

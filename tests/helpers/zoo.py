@@ -1,15 +1,22 @@
-"""The model zoo: small random-init configs of the torch models users train, with a client loss.
+"""The small-model zoo: the torch models the from_torch tests and the benchmarks build.
 
-Each `ZooModel` builds a model (seeded, training mode, dropout off so that torch and JAX can be
-compared value for value), a batch maker (int64 labels and token ids, as a torch user has them),
-and the client loss written the usual torch way: `torch.func.functional_call(model, state,
-...)` and the model's own `labels=` loss or `F.cross_entropy`. Models with BatchNorm train their
-running statistics, which `from_torch(..., mutable=1)` hands back.
+Three tiers, each seeded, in training mode, dropout off (so torch and JAX compare value for
+value), losses written the usual torch way (`torch.func.functional_call`, the model's own
+`labels=` loss or `F.cross_entropy`):
 
-Used by the tests (`tests/torch_fn/test_model_zoo.py`: loss and gradients against torch
-autograd, `map_reduce` against a torch loop) and by the "zoo" benchmark case (compile time of
-`jax.jit(jax.value_and_grad(...))`, step time against torch eager). Needs `transformers` (no
-downloaded weights, no torchvision).
+* `TINY`: one tiny net per layer family (MLP + LayerNorm, Conv + BatchNorm, Conv + GroupNorm,
+  LSTM, GRU, a transformer encoder layer) over `x`/`y` batches: `tests/torch_fn/test_from_torch.py`
+  and docs/from_torch.md's coverage table.
+* `ZOO`: small random-init configs of the models users train (transformers and torch.nn), each a
+  `ZooModel` with a batch maker and a client loss; BatchNorm models train their running
+  statistics, which `from_torch(..., mutable=1)` hands back: `tests/torch_fn/test_model_zoo.py`,
+  docs/from_torch.md's "Models users train", the "users_path" benchmark's GPT-2
+  (`TRANSFORMERS["gpt2"]`) and `python -m benchmarks.studies.bench_zoo`.
+* The recurrent models at real sizes (`shakespeare_model`, `gru_classifier`, `sequence_loss`):
+  `tests/torch_fn/test_recurrent.py` and the "recurrent" benchmark case.
+
+Imports torch only (transformers when a transformers model is built): the benchmarks import it
+too, also in the pfl venv, which has no JAX (`benchmarks/__init__.py` says how they find it).
 """
 
 from __future__ import annotations
@@ -306,62 +313,154 @@ def client_loss(entry: ZooModel, model: nn.Module) -> Callable[..., Any]:
     return loss
 
 
-def timings(names: list[str], rounds: int = 5) -> list[dict[str, Any]]:
-    """Per model: the first call of `jax.jit(jax.value_and_grad(from_torch(loss)))` (trace and
-    compile), then `rounds` interleaved later calls of it and of a torch eager step (forward and
-    backward of the same loss), each round with the 1-minute load average beside it.
-
-    Run as `python -m benchmarks.zoo [NAME ...]`, which prints a markdown table.
-    """
-    return [_timing(name, rounds) for name in names]
+# ---------------------------------------------------------------------------------------------
+# TINY: one tiny net per layer family, over {"x": inputs, "y": 5 classes}.
 
 
-def _timing(name: str, rounds: int) -> dict[str, Any]:
-    """`timings`' row of one model."""
-    import statistics
+class TinyMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 5)
 
-    import jax
-    import jax.numpy as jnp
-
-    import bridge_mr
-
-    from . import harness
-
-    entry = ZOO[name]
-    model = build(name)
-    params, buffers = split_state(model)
-    batch = entry.batch(torch.Generator().manual_seed(1), 4)
-    loss = client_loss(entry, model)
-    converted = bridge_mr.from_torch(loss, mutable=1 if entry.batch_norm else ())
-    step = jax.jit(jax.value_and_grad(converted, has_aux=entry.batch_norm))
-    args = jax.tree.map(lambda t: jnp.asarray(t.numpy()), (params, buffers, batch))
-    first, _ = harness.time_once(lambda: step(*args))
-
-    def torch_step() -> Callable[[], Any]:
-        # Fresh leaves and buffers, untimed: backward and BatchNorm write into them.
-        trainable = {k: v.clone().requires_grad_() for k, v in params.items()}
-        fresh = {k: v.clone() for k, v in buffers.items()}
-        return lambda: loss(trainable, fresh, batch).backward()
-
-    later = harness.rounds({"step": lambda: lambda: step(*args), "torch": torch_step}, rounds)
-    return {
-        "name": name,
-        "first_call_s": first,
-        "step_ms": 1e3 * statistics.median(later.seconds["step"]),
-        "torch_eager_ms": 1e3 * statistics.median(later.seconds["torch"]),
-        "load_1min": max(later.load_1min),
-    }
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.norm(self.fc1(x))))
 
 
-if __name__ == "__main__":
-    import sys
+class TinyBatchNormCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, 5)
 
-    print("| model | first call (s) | later step (ms) | torch eager (ms) | ratio | load |")
-    print("|---|---|---|---|---|---|")
-    for row in timings(sys.argv[1:] or list(ZOO)):
-        print(
-            f"| `{row['name']}` | {row['first_call_s']:.1f} | {row['step_ms']:.1f} | "
-            f"{row['torch_eager_ms']:.1f} | {row['step_ms'] / row['torch_eager_ms']:.2f} | "
-            f"{row['load_1min']:.2f} |",
-            flush=True,
-        )
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.avg_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(h.flatten(1))
+
+
+class TinyGroupNormCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.silu(self.norm(self.conv(x))), 2)
+        return self.fc(h.flatten(1))
+
+
+class TinyRecurrent(nn.Module):
+    def __init__(self, kind: type[nn.LSTM] | type[nn.GRU]) -> None:
+        super().__init__()
+        self.rnn, self.fc = kind(6, 8, batch_first=True), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.fc(out[:, -1])
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layer(self.embed(tokens)).mean(1))
+
+
+def _tiny_images(g: torch.Generator, *lead: int) -> torch.Tensor:
+    return torch.randn(*lead, 1, 8, 8, generator=g)
+
+
+def _tiny_sequences(g: torch.Generator, *lead: int) -> torch.Tensor:
+    return torch.randn(*lead, 7, 6, generator=g)
+
+
+#: The tiny nets: name -> (constructor, `inputs(generator, *lead)`).
+TINY: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor]]] = {
+    "mlp": (TinyMLP, lambda g, *lead: torch.randn(*lead, 12, generator=g)),
+    "cnn_batchnorm": (TinyBatchNormCNN, _tiny_images),
+    "cnn_groupnorm": (TinyGroupNormCNN, _tiny_images),
+    "lstm": (lambda: TinyRecurrent(nn.LSTM), _tiny_sequences),
+    "gru": (lambda: TinyRecurrent(nn.GRU), _tiny_sequences),
+    "transformer": (TinyTransformer, lambda g, *lead: torch.randint(20, (*lead, 7), generator=g)),
+}
+
+
+def tiny(name: str) -> nn.Module:
+    """Tiny net `name`, its parameters drawn from seed 0."""
+    torch.manual_seed(0)
+    return TINY[name][0]()
+
+
+def tiny_data(name: str, *lead: int) -> Batch:
+    """{"x": `name`'s inputs, "y": int64 labels of 5 classes}, shaped [*lead, ...], seed 1."""
+    g = torch.Generator().manual_seed(1)
+    return {"x": TINY[name][1](g, *lead), "y": torch.randint(5, (*lead,), generator=g)}
+
+
+def tiny_loss(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """`loss(state, x, y)`: the cross-entropy of `model` run on `state` (parameters and
+    buffers by name)."""
+
+    def loss(state: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(torch.func.functional_call(model, state, (x,)), y)
+
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Recurrent models at real sizes.
+
+
+class ShakespeareLSTM(nn.Module):
+    """The LEAF / FedAvg-paper Shakespeare next-character model: embedding 8, 2-layer LSTM 256
+    (batch_first), a linear head over the vocabulary at every position."""
+
+    def __init__(self, vocab: int = 80) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.lstm = nn.LSTM(8, 256, num_layers=2, batch_first=True)
+        self.head = nn.Linear(256, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(tokens))
+        return self.head(out)
+
+
+class GRUClassifier(nn.Module):
+    """A 2-layer bidirectional GRU 16 -> 32 (batch_first), a linear head on the last step's 64
+    features, 10 classes (issue 35's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(16, 32, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return self.head(out[:, -1])
+
+
+def shakespeare_model(vocab: int = 80, seed: int = 0) -> ShakespeareLSTM:
+    """A `ShakespeareLSTM`, its parameters drawn from `seed`."""
+    torch.manual_seed(seed)
+    return ShakespeareLSTM(vocab)
+
+
+def gru_classifier(seed: int = 0) -> GRUClassifier:
+    """A `GRUClassifier`, its parameters drawn from `seed`."""
+    torch.manual_seed(seed)
+    return GRUClassifier()
+
+
+def sequence_loss(model: nn.Module) -> Callable[[State, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(params, inputs, int labels) -> mean cross-entropy of `model`'s logits (any leading
+    axes: [batch, classes] or [batch, time, classes])."""
+
+    def loss(params: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = torch.func.functional_call(model, params, (x,))
+        return F.cross_entropy(logits.flatten(0, -2), y.flatten().long())
+
+    return loss

@@ -2,7 +2,7 @@
 
 Run from the repository root in the torch-xla environment:
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python -m benchmarks.bench_xla [--quick] [--algo fedavg]
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m benchmarks.studies.bench_xla [--quick] [--algo fedavg]
         [--models small] [--clients 8 64]
 
 The rounds are `workloads`' (`bridge_mr_xla`: `bridge_mr.map_reduce` from torch on the XLA
@@ -13,7 +13,7 @@ round ended by `torch_xla.sync()` and `xm.wait_device_ops()`. Each row records h
 each alternative compiled while it was timed (0: every timed round reused a compiled graph).
 
 `python -m benchmarks` gets its torch-xla rows from here: in its own process where torch_xla
-is importable, else from `.venv-xla/bin/python -m benchmarks.bench_xla --spec JSON`, which
+is importable, else from `.venv-xla/bin/python -m benchmarks.studies.bench_xla --spec JSON`, which
 prints them as one JSON line.
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 import torch_xla
 import torch_xla.debug.metrics as metrics
 
-from . import harness, report, workloads
-from .workloads import FedConfig
+from .. import harness, report, workloads
+from ..workloads import FedConfig
 
 BASELINE = "torch_xla"
 #: Untimed rounds first: the first round compiles, and pure torch-xla sometimes compiles a
@@ -122,7 +122,7 @@ def measure(configs: list[FedConfig], policy: harness.TimingPolicy) -> dict[str,
 def main(argv: list[str]) -> int:
     """Runs the comparison; prints a table, or with --spec one JSON line. Returns 0."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_xla", description=(__doc__ or "").splitlines()[0]
+        prog="python -m benchmarks.studies.bench_xla", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, 8 clients")
     parser.add_argument("--algo", choices=["fedsgd", "fedavg"], default="fedavg")

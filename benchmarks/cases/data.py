@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from . import harness, report, workloads
+from .. import harness, report, workloads
 
 #: Client counts: the --quick run, the full run (500 clients: the full CNN round once, minutes).
 QUICK_CLIENTS, FULL_CLIENTS = (8, 50), (50, 500)

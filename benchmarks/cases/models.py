@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import harness, report, workloads
+from .. import harness, report, workloads
 
 BASELINE = "torch_loop"
 

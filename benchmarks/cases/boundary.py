@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import harness, report, workloads
+from .. import harness, report, workloads
 
 KIB = 1024
 TITLE = "Boundary cost: torch <-> JAX per tensor, and copies per map_reduce round"

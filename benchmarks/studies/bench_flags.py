@@ -1,8 +1,8 @@
 """YNNPACK fusion settings, compared per compilation on the programs bridge_mr compiles.
 
-    python -m benchmarks.bench_flags [--settings NAME ...] [--rows NAME ...] [--reps N]
-    python -m benchmarks.bench_flags --sums [--reps N]      # levelled sums' cost, CNN rounds
-    python -m benchmarks.bench_flags --frontend [--reps N]  # GPT-2 FedSGD: torch frontend vs jit
+    python -m benchmarks.studies.bench_flags [--settings NAME ...] [--rows NAME ...] [--reps N]
+    python -m benchmarks.studies.bench_flags --sums [--reps N]      # levelled sums, CNN rounds
+    python -m benchmarks.studies.bench_flags --frontend [--reps N]  # GPT-2 FedSGD: frontend, jit
 
 `--xla_cpu_experimental_ynn_fusion_type` (which XLA:CPU fusions go to YNNPACK) is also a
 per-compilation option (`compile(compiler_options={...})`), so every setting compiles the same
@@ -32,8 +32,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import harness
-from .environment import LoadMeter
+from .. import harness
+from ..environment import LoadMeter
 
 OPTION = "xla_cpu_experimental_ynn_fusion_type"
 _DOT, _ELTWISE = "LIBRARY_FUSION_TYPE_DOT", "LIBRARY_FUSION_TYPE_ELTWISE"
@@ -72,7 +72,7 @@ def _program(row: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
 
     from bridge_mr import jax_core
 
-    from . import workloads
+    from .. import workloads
 
     model, algo, clients, strategy = ROWS[row]
     chunks = {"chunk_size": CHUNK_SIZE} if strategy == "chunks" else {}
@@ -238,7 +238,7 @@ def _alternatives(row: str, settings: list[str]) -> dict[str, Callable[[], Any] 
 
 def main(argv: list[str]) -> int:
     """Times every setting on every row and prints the table; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_flags")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.bench_flags")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--reps", type=int, default=harness.QUICK.reps)

@@ -23,10 +23,10 @@ import subprocess
 import sys
 import tempfile
 
-from . import harness, report
+from .. import harness, report
 
 #: The torchrun worker, run as a module of this package (it times through the harness).
-WORKER = "benchmarks.processes_worker"
+WORKER = "benchmarks.workers.processes"
 ONE, TWO, ALL_REDUCE, AGREE = "one_process", "two_processes", "all_reduce_only", "agree_only"
 CLIENTS = 16
 FEATURES, CLASSES = 64, 10

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import harness, report, workloads
+from .. import harness, report, workloads
 
 TITLE = "Physical limits: reduce bandwidth vs memcpy, model GFLOP/s vs large matmul"
 UNIT = "time per call; (x) = ratio to the row's baseline; GB/s (bytes moved) or GFLOP/s"

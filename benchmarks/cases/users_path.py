@@ -1,7 +1,7 @@
 """Case "users_path": the round the README tells users to write, against what they would write
 instead: a plain torch loop, pfl-research, torch.func.vmap (`workloads.users`).
 
-Every alternative runs in a fresh process of its own (`benchmarks.users_worker`; pfl's in the
+Every alternative runs in a fresh process of its own (`benchmarks.workers.users`; pfl's in the
 pfl venv, `PFL_PYTHON`), started one at a time while the others wait idle: its first round
 there is the first-call time a user sees (imports excluded, building the model and data timed
 apart), its peak RSS is that process's. Then the later rounds are requested from the workers
@@ -33,9 +33,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from . import harness, report
-from .environment import LoadMeter
-from .workloads import users
+from .. import harness, report
+from ..environment import LoadMeter
+from ..workloads import users
 
 BASELINE = "torch_loop"
 #: The alternatives measured by default: the default strategy, and per_client forced.
@@ -87,7 +87,7 @@ NOTE = (
 
 @dataclasses.dataclass
 class _Worker:
-    """A fresh process serving one alternative's rounds (`benchmarks.users_worker`)."""
+    """A fresh process serving one alternative's rounds (`benchmarks.workers.users`)."""
 
     name: str
     process: subprocess.Popen[str]
@@ -156,7 +156,7 @@ def _start(
     spec = {"alternative": name, "config": dataclasses.asdict(cfg), "save": save}
     stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the worker)
     process = subprocess.Popen(
-        harness.fresh_process(python, "benchmarks.users_worker", json.dumps(spec)),
+        harness.fresh_process(python, "benchmarks.workers.users", json.dumps(spec)),
         cwd=harness.PACKAGE_ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

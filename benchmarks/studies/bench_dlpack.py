@@ -1,8 +1,8 @@
 """Per-tensor cost of moving tensors between torch and JAX on one device (CPU or CUDA).
 
-    python -m benchmarks.bench_dlpack [--quick] [--device cpu|cuda] [--tensors N]
+    python -m benchmarks.studies.bench_dlpack [--quick] [--device cpu|cuda] [--tensors N]
 
-The boundary case's exchange rows (`cases_boundary.exchange_rows`: bridge_mr.dlpack against the
+The boundary case's exchange rows (`boundary.exchange_rows`: bridge_mr.dlpack against the
 public DLPack functions and a copy through host memory) for one batch of N float32[16, 16]
 tensors on the chosen device, timed by the suite's harness and printed as a table.
 """
@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import cases_boundary, environment, harness, report
+from .. import environment, harness, report
+from ..cases import boundary
 
 
 def main(argv: list[str]) -> int:
     """Runs the comparison and prints it; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_dlpack", description=(__doc__ or "").splitlines()[0]
+        prog="python -m benchmarks.studies.bench_dlpack",
+        description=(__doc__ or "").splitlines()[0],
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -37,7 +39,7 @@ def main(argv: list[str]) -> int:
         unit="time per call (a call converts every tensor); (x) = ratio to the public DLPack "
         "function; tensors/s",
     )
-    case.rows += cases_boundary.exchange_rows(ctx, tensors, f"{args.tensors} x 16x16")
+    case.rows += boundary.exchange_rows(ctx, tensors, f"{args.tensors} x 16x16")
     print(environment.describe(environment.machine()))
     print("\n" + report.case_markdown(case), flush=True)
     return 0

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from typing import Any
 
-from . import harness, report, workloads
-from .workloads import FedConfig
+from .. import harness, report, workloads
+from ..workloads import FedConfig
 
 BASELINE = "drjax"
 XLA_PYTHON = os.path.join(harness.PACKAGE_ROOT, ".venv-xla", "bin", "python")
@@ -227,7 +227,7 @@ def xla_rows(
     if not chosen:
         return []
     if _has_torch_xla():
-        from . import bench_xla
+        from ..studies import bench_xla
 
         result = bench_xla.measure(chosen, ctx.policy)
     elif os.path.exists(XLA_PYTHON):
@@ -237,7 +237,7 @@ def xla_rows(
         }
         print(f"{case.name}: torch-xla rows in {XLA_PYTHON} ...", file=sys.stderr)
         done = subprocess.run(
-            [XLA_PYTHON, "-m", "benchmarks.bench_xla", "--spec", json.dumps(spec)],
+            [XLA_PYTHON, "-m", "benchmarks.studies.bench_xla", "--spec", json.dumps(spec)],
             cwd=harness.PACKAGE_ROOT,
             env={**os.environ, "PJRT_DEVICE": "CPU"},
             stdout=subprocess.PIPE,
@@ -253,7 +253,8 @@ def xla_rows(
         return []
     rows = result["rows"]
     case.notes.append(
-        f"torch-xla rows (suffix /xla, `python -m benchmarks.bench_xla`): torch {result['torch']}, "
+        "torch-xla rows (suffix /xla, `python -m benchmarks.studies.bench_xla`): "
+        f"torch {result['torch']}, "
         f"torch_xla {result['torch_xla']} on {result['device']} (PJRT_DEVICE=CPU), XLA_FLAGS "
         f"{result['xla_flags']!r}; a separate process unless run in "
         "that environment; its alternatives are interleaved with each other only, baseline "

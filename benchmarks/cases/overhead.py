@@ -13,7 +13,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from . import harness, report, workloads
+from .. import harness, report, workloads
 
 #: (row id, params, contestants, targets as (reference prefix, threshold)).
 ROWS: list[tuple[str, dict[str, int], Callable[[], dict[str, Any]], list[tuple[str, float]]]] = [
