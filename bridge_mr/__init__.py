@@ -21,20 +21,20 @@ import importlib
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
-import jax
-from jax.sharding import AbstractMesh, Mesh
+from bridge_mr.typing import AnyMesh, PyTree
 
-from . import _caches
 from . import jax_core as jax_core
 from ._flags import recommended_xla_flags as recommended_xla_flags
 from .jax_core import Placement as Placement
+from .jax_core import clear_caches as clear_caches
 from .jax_core import current_placement as current_placement
 from .jax_core import program as program
 
 if TYPE_CHECKING:
     from . import algorithms as algorithms
+    from . import auto as auto
     from . import beam as beam
     from . import data as data
     from . import distributed as distributed
@@ -50,8 +50,6 @@ if TYPE_CHECKING:
     from .torch_fn import client_keys as client_keys
     from .torch_fn import from_torch as from_torch
 
-PyTree: TypeAlias = Any
-AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 __all__ = [
     "Placement",
@@ -119,7 +117,7 @@ def __getattr__(name: str) -> Any:
     """Loads the torch-dependent names on first access (they import torch)."""
     if name == "torch_api":
         return _load_torch_api()
-    if name in ("algorithms", "beam", "data", "distributed", "dlpack", "torch_fn"):
+    if name in ("algorithms", "auto", "beam", "data", "distributed", "dlpack", "torch_fn"):
         return _import(f"{__name__}.{name}", name)
     if name in _LAZY_TORCH_FN_NAMES:
         value = getattr(_import(_TORCH_FN, name), name)
@@ -134,7 +132,9 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     """The public names, the lazy ones included (listing them loads nothing)."""
-    return sorted({*__all__, "algorithms", "beam", "data", "distributed", "torch_api", "torch_fn"})
+    return sorted(
+        {*__all__, "algorithms", "auto", "beam", "data", "distributed", "torch_api", "torch_fn"}
+    )
 
 
 def _frontend() -> ModuleType:
@@ -282,18 +282,3 @@ def reduce_weighted_mean(x: PyTree, w: PyTree) -> PyTree:
         tensor(3.5000)
     """
     return _frontend().reduce_weighted_mean(x, w)
-
-
-def clear_caches() -> None:
-    """Drops the traces, plans and compiled programs that bridge_mr and JAX keep.
-
-    Like `jax.clear_caches` (which it calls): every cache a loaded bridge_mr module registered
-    (`bridge_mr._caches`: the torch frontend's traced functions, and with them the user
-    functions and arrays they captured; the runners' embeddings; Beam's plans and segments) is
-    emptied. Later calls trace and compile again.
-
-    Example:
-      >>> bridge_mr.clear_caches()  # e.g. between experiments in one long-lived process
-    """
-    _caches.clear_all()
-    jax.clear_caches()

@@ -6,22 +6,25 @@ module, and a test (`tests/test_caches_registry.py`) fails on a module-level cac
 register. Imports only the standard library.
 
     _PLANS = register("beam plans", weakref.WeakKeyDictionary())  # cleared by clear_caches()
+    _TRACES = register("client traces", Bounded(64))  # at most 64 entries, oldest out first
+
+`Bounded` is the one way bridge_mr bounds a cache (module-level or per object).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 __all__ = [
     "CACHE_DIR",
+    "Bounded",
     "Clearable",
     "clear_all",
     "disk_root",
-    "make_room",
     "register",
     "register_clear",
     "registered",
@@ -38,7 +41,8 @@ class Clearable(Protocol):
 
 
 C = TypeVar("C", bound=Clearable)
-D = TypeVar("D", bound=dict[Any, Any])
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 _LOCK = threading.Lock()
 _CLEARS: dict[str, Callable[[], None]] = {}
@@ -96,19 +100,66 @@ def clear_all() -> None:
         clear()
 
 
-def make_room(cache: D, bound: int) -> D:
-    """Drops `cache`'s oldest entries (dicts keep insertion order) until one more fits `bound`.
+class Bounded(dict[K, V], Generic[K, V]):
+    """A dict of at most `maxsize` entries: `put` drops the oldest to make room.
+
+    Reads are the dict's own (`get`, `in`, `[]`: no Python call on a hot path); `put` adds an
+    entry (moving an existing key to the newest place) and drops the oldest beyond `maxsize`,
+    calling `on_drop(key)` for each; `use` reads an entry and makes it the newest (least
+    recently used out first, for callers that want that). Writes are thread-safe.
 
     Args:
-      cache: a dict used as a bounded cache.
-      bound: the most entries it may hold.
+      maxsize: the most entries it holds (at least 1).
+      on_drop: called with each key `put` drops (e.g. to drop it from a related cache too).
 
-    Returns:
-      `cache` itself, so that a module writes `make_room(_CACHE, 256)[key] = value`.
+    Raises:
+      ValueError: `maxsize` is below 1.
+
+    Example:
+      >>> cache = Bounded(2)
+      >>> for key in "abc":
+      ...     _ = cache.put(key, key.upper())
+      >>> sorted(cache), cache.get("c")
+      (['b', 'c'], 'C')
     """
-    while cache and len(cache) >= bound:
-        del cache[next(iter(cache))]
-    return cache
+
+    def __init__(self, maxsize: int, on_drop: Callable[[K], None] | None = None) -> None:
+        super().__init__()
+        if maxsize < 1:
+            raise ValueError(f"Bounded(maxsize=...): expected at least 1; got {maxsize!r}.")
+        self.maxsize = maxsize
+        self._on_drop = on_drop
+        self._lock = threading.RLock()
+
+    def put(self, key: K, value: V) -> V:
+        """Stores `value` under `key` as the newest entry, dropping the oldest beyond
+        `maxsize`; returns `value`."""
+        dropped = []
+        with self._lock:
+            self.pop(key, None)
+            while len(self) >= self.maxsize:
+                oldest = next(iter(self))
+                del self[oldest]
+                dropped.append(oldest)
+            self[key] = value
+        if self._on_drop is not None:
+            for oldest in dropped:
+                self._on_drop(oldest)
+        return value
+
+    def use(self, key: K) -> V | None:
+        """The value under `key` (now the newest entry), or None."""
+        with self._lock:
+            if key not in self:
+                return None
+            value = self.pop(key)
+            self[key] = value
+            return value
+
+    def clear(self) -> None:
+        """Drops every entry (no `on_drop` call)."""
+        with self._lock:
+            super().clear()
 
 
 def disk_root() -> Path:

@@ -4,23 +4,26 @@
 |---|---|---|
 | `_flags` | nothing | neither jax nor torch |
 | `_caches` (the cache registry) | nothing | neither jax nor torch |
+| `typing` (the shared types) | nothing | neither jax nor torch |
 | `_compat` | nothing (each submodule: its own library only) | `_compat.jax`: jax, no torch |
-| `jax_core` | `_compat` | jax (never torch, torch_xla) |
-| top level | `jax_core`, `_flags`; `dlpack`, `torch_api`, `torch_fn`, `distributed` lazily | jax |
+| `jax_core` | `_compat`, `typing` | jax (never torch, torch_xla) |
+| top level | `jax_core`, `_flags`, `typing`; the subpackages lazily | jax |
 | `_dtypes` | `_compat` | jax, torch |
 | `dlpack` | `_compat`, `_dtypes` | jax, torch |
 | `runners` | `dlpack`, `jax_core`, `distributed`, `_compat`, `_dtypes` | jax, torch (+ torch_xla) |
-| `torch_api` | `jax_core`, `dlpack`, `runners`, `distributed`, `_compat`, `_dtypes` | jax, torch |
+| `auto` | `jax_core`, `dlpack`, `distributed`, `_compat`, `_dtypes` | jax, torch |
+| `torch_api` | `auto`, `runners` and what they may import | jax, torch |
 | `torch_fn` (`from_torch`) | `_compat` | jax, torch (torchax on first call) |
 | `distributed` | nothing | jax (no torch) |
 | `beam` | `jax_core`, `_compat` | jax (apache_beam on building a pipeline; `_worker`: jax only) |
-| `algorithms` | public names of `torch_api` and `jax_core` only | jax, torch (optax) |
-| `data` | public names of `algorithms`, `torch_api`, `jax_core` only | jax, torch |
+| `algorithms` | public names of `torch_api`, `jax_core` and `typing` only | jax, torch (optax) |
+| `data` | public names of `algorithms`, `torch_api`, `jax_core`, `typing` only | jax, torch |
 | `demo` | any public name | jax, torch |
 | `benchmarks/`, `examples/` | public names only, never the demo | |
 
 Every layer but `_flags`, `_compat`, `_dtypes`, `algorithms`, `data` and `demo` may also import
-`_caches`, where its module-level caches register. No module of bridge_mr is longer than
+`_caches`, where its module-level caches register; and the layers that annotate with the shared
+types import `typing` (standard library only). No module of bridge_mr is longer than
 `MAX_LINES` (500) lines.
 
 And, over every module of bridge_mr (module-level, `TYPE_CHECKING` and function-local imports
@@ -74,11 +77,12 @@ LAYERS: dict[str, Layer] = {
     "_flags": Layer(frozenset()),
     "_caches": Layer(frozenset()),
     "_compat": Layer(frozenset()),
-    "jax_core": Layer(frozenset({"_compat", "_caches"})),
+    "typing": Layer(frozenset()),
+    "jax_core": Layer(frozenset({"_compat", "_caches", "typing"})),
     "": Layer(
-        frozenset({"jax_core", "_flags", "_caches"}),
+        frozenset({"jax_core", "_flags", "_caches", "typing"}),
         lazily=frozenset(
-            {"dlpack", "torch_api", "torch_fn", "distributed", "algorithms", "data", "beam"}
+            {"dlpack", "torch_api", "torch_fn", "distributed", "algorithms", "auto", "data", "beam"}
         ),
     ),
     "_dtypes": Layer(frozenset({"_compat"})),
@@ -86,14 +90,20 @@ LAYERS: dict[str, Layer] = {
     "runners": Layer(
         frozenset({"dlpack", "jax_core", "distributed", "_compat", "_dtypes", "_caches"})
     ),
+    "auto": Layer(
+        frozenset({"jax_core", "dlpack", "distributed", "_compat", "_dtypes", "_caches", "typing"})
+    ),
     "torch_api": Layer(
-        frozenset({"jax_core", "dlpack", "runners", "distributed", "_compat", "_dtypes", "_caches"})
+        frozenset(
+            {"jax_core", "dlpack", "runners", "distributed", "auto", "_compat", "_dtypes"}
+            | {"_caches", "typing"}
+        )
     ),
     "torch_fn": Layer(frozenset({"_compat", "_caches"})),
     "distributed": Layer(frozenset({"_caches"})),
     "beam": Layer(frozenset({"jax_core", "_compat", "_caches"})),
-    "algorithms": Layer(frozenset({"jax_core", "torch_api"}), public_only=True),
-    "data": Layer(frozenset({"jax_core", "torch_api", "algorithms"}), public_only=True),
+    "algorithms": Layer(frozenset({"jax_core", "torch_api", "typing"}), public_only=True),
+    "data": Layer(frozenset({"jax_core", "torch_api", "algorithms", "typing"}), public_only=True),
     DEMO: Layer(frozenset(), public_only=True),
 }
 
@@ -101,12 +111,14 @@ LAYERS: dict[str, Layer] = {
 LOADS: dict[str, frozenset[str]] = {
     "bridge_mr._flags": frozenset(),
     "bridge_mr._caches": frozenset(),
+    "bridge_mr.typing": frozenset(),
     "bridge_mr._compat.jax": frozenset({"jax"}),
     "bridge_mr.jax_core": frozenset({"jax"}),
     "bridge_mr": frozenset({"jax"}),
     "bridge_mr._dtypes": frozenset({"jax", "torch"}),
     "bridge_mr.dlpack": frozenset({"jax", "torch"}),
     "bridge_mr.runners": frozenset({"jax", "torch"}),
+    "bridge_mr.auto": frozenset({"jax", "torch"}),
     "bridge_mr.torch_api": frozenset({"jax", "torch"}),
     "bridge_mr.torch_fn": frozenset({"jax", "torch"}),
     "bridge_mr.distributed": frozenset({"jax"}),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +12,10 @@ import torch
 from jax.sharding import AbstractMesh, Mesh
 
 from bridge_mr.torch_api import map_reduce
+from bridge_mr.typing import AutoOrStrategy, PyTree
 
 from ._local import LocalTraining
-from ._rounds import Params, Strategy, round_server, set_pseudo_gradient
-
-PyTree: TypeAlias = Any
+from ._rounds import Params, round_server, set_pseudo_gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +51,7 @@ def dp_outer_step(
     generator: torch.Generator,
     mask: torch.Tensor | None = None,
     hparams: PyTree | None = None,
-    strategy: Strategy = "auto",
+    strategy: AutoOrStrategy = "auto",
     chunk_size: int | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> dict[str, torch.Tensor]:

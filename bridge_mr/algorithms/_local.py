@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
 import optax
 
-PyTree: TypeAlias = Any
+from bridge_mr.typing import PyTree
+
 Loss: TypeAlias = Callable[[PyTree, PyTree], jax.Array]
 OptimizerFactory: TypeAlias = Callable[[PyTree], optax.GradientTransformation]
 

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from jax.sharding import AbstractMesh, Mesh
 from typing_extensions import TypedDict, Unpack
 
 from bridge_mr.torch_api import map_reduce
+from bridge_mr.typing import AutoOrStrategy, PyTree
 
 from ._local import LocalTraining, check_batch_stack
 
-PyTree: TypeAlias = Any
-Strategy: TypeAlias = Literal["auto", "vmap", "per_client", "chunks"]
 Params: TypeAlias = Mapping[str, torch.Tensor]
 
 
@@ -25,7 +24,7 @@ def mean_delta(
     *,
     hparams: PyTree | None = None,
     weights: torch.Tensor | None = None,
-    strategy: Strategy = "auto",
+    strategy: AutoOrStrategy = "auto",
     chunk_size: int | None = None,
     mesh: Mesh | AbstractMesh | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -89,7 +88,7 @@ class RoundOptions(TypedDict, total=False):
 
     hparams: PyTree | None
     weights: torch.Tensor | None
-    strategy: Strategy
+    strategy: AutoOrStrategy
     chunk_size: int | None
     mesh: Mesh | AbstractMesh | None
 

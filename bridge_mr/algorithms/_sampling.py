@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeAlias
 
 import jax
 import torch
 
-PyTree: TypeAlias = Any
+from bridge_mr.typing import PyTree
 
 
 @dataclasses.dataclass(frozen=True)

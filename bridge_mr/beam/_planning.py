@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge_mr import jax_core
-from bridge_mr._caches import register
+from bridge_mr._caches import Bounded, register
 from bridge_mr._compat.jax import trace_context
 
 from . import _worker
-from ._lru import LRU
 from ._plan import Plan
 from ._split import split as split_program
 
@@ -26,7 +25,7 @@ from ._split import split as split_program
 PLANS_PER_FUNCTION = 16
 _CHECK_CLIENTS = (2, 2)  # The self-test's bundles: 4 clients, two accumulators merged.
 
-_PLANS: weakref.WeakKeyDictionary[Any, LRU[Any, Plan]] = register(
+_PLANS: weakref.WeakKeyDictionary[Any, Bounded[Any, Plan]] = register(
     "beam plans", weakref.WeakKeyDictionary()
 )
 # Self-tested plans by id, held weakly: a plan dropped from _PLANS (and by its users) is gone
@@ -72,8 +71,8 @@ def _plan_for(
     with _PLANS_LOCK:
         plans = _PLANS.get(fn)
         if plans is None:
-            plans = _PLANS[fn] = LRU(PLANS_PER_FUNCTION)
-    plan = plans.get(key)
+            plans = _PLANS[fn] = Bounded(PLANS_PER_FUNCTION)
+    plan = plans.use(key)
     if plan is None:
         plan = split_program(fn, server_specs, record_spec, placement=placement)
         plans.put(key, plan)

@@ -44,7 +44,7 @@ CARRIER_DTYPE = np.float32
 
 
 @dataclasses.dataclass
-class _Round:
+class _RoundEquations:
     server: list[Any] = dataclasses.field(default_factory=list)
     client: list[Any] = dataclasses.field(default_factory=list)
     reductions: list[Contribution] = dataclasses.field(default_factory=list)
@@ -101,13 +101,13 @@ def split(
     return _build_plan(flat, rounds, n, out_shape, placement, server_tree, record_tree)
 
 
-def _assign_rounds(flat: Flat, checker: Checker) -> list[_Round]:
+def _assign_rounds(flat: Flat, checker: Checker) -> list[_RoundEquations]:
     round_of: dict[Any, int] = {v: 0 for v in [*flat.invars, *flat.consts]}
-    rounds: list[_Round] = [_Round()]
+    rounds: list[_RoundEquations] = [_RoundEquations()]
     for eqn in flat.eqns:
         r = max((round_of[v] for v in eqn.invars if isinstance(v, Var)), default=0)
         while len(rounds) <= r + 1:
-            rounds.append(_Round())
+            rounds.append(_RoundEquations())
         reduction = contribution(eqn, checker)
         if reduction is not None:
             rounds[r].reductions.append(reduction)
@@ -121,13 +121,13 @@ def _assign_rounds(flat: Flat, checker: Checker) -> list[_Round]:
     while len(rounds) > 1 and not (rounds[-1].server or rounds[-1].client or rounds[-1].reductions):
         rounds.pop()
     if rounds[-1].reductions:
-        rounds.append(_Round())  # server_result, after the last aggregation.
+        rounds.append(_RoundEquations())  # server_result, after the last aggregation.
     return rounds
 
 
 def _build_plan(
     flat: Flat,
-    rounds: list[_Round],
+    rounds: list[_RoundEquations],
     n: Any,
     out_shape: Any,
     placement: str,
@@ -203,7 +203,7 @@ def _build_plan(
     )
 
 
-def _reduction_reads(rnd: _Round) -> set[Any]:
+def _reduction_reads(rnd: _RoundEquations) -> set[Any]:
     return {v for c in rnd.reductions for v in c.eqn.invars if isinstance(v, Var)}
 
 

@@ -1,7 +1,7 @@
 """What runs on a Beam worker: exported segments and the float64 accumulators.
 
-Imports only jax and numpy (and the plain-data plan, the standard-library LRU and cache
-registry): a worker never loads torch nor the tracing side of bridge_mr. Segments are
+Imports only jax and numpy (and the plain-data plan, the standard-library cache registry
+and its `Bounded`): a worker never loads torch nor the tracing side of bridge_mr. Segments are
 deserialized once per process, and the `SEGMENTS` most recently used stay compiled.
 """
 
@@ -15,15 +15,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from bridge_mr._caches import register
+from bridge_mr._caches import Bounded, register
 
-from ._lru import LRU
 from ._plan import Plan, Reduction, Segment
 
 #: How many deserialized segments a process keeps (a program of K rounds has 2K + 1).
 SEGMENTS = 64
 
-_CACHE: LRU[bytes, Any] = register("beam worker segments", LRU(SEGMENTS))
+_CACHE: Bounded[bytes, Any] = register("beam worker segments", Bounded(SEGMENTS))
 _LOCK = threading.Lock()  # One deserialization per segment, even when bundles run in threads.
 
 #: An accumulator: [client count, one running sum per reduction (None before the first add)].
@@ -32,7 +31,7 @@ Accumulator = list[Any]
 
 def _callable(segment: Segment) -> Any:
     with _LOCK:
-        call = _CACHE.get(segment.serialized)
+        call = _CACHE.use(segment.serialized)
         if call is None:
             exported = jax.export.deserialize(bytearray(segment.serialized))
             call = jax.jit(exported.call)

@@ -8,6 +8,7 @@ from ._api import reduce_weighted_mean as reduce_weighted_mean
 from ._arguments import STRATEGIES as STRATEGIES
 from ._arguments import check_strategy as check_strategy
 from ._arguments import client_count as client_count
+from ._clear import clear_caches as clear_caches
 from ._cpu import accurate_sums as accurate_sums
 from ._cpu import cpu_compiler_options as cpu_compiler_options
 from ._cpu import cpu_program as cpu_program
@@ -33,6 +34,7 @@ __all__ = [
     "canonical_layouts",
     "check_mesh",
     "check_strategy",
+    "clear_caches",
     "client_count",
     "cpu_compiler_options",
     "cpu_program",

@@ -16,6 +16,8 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bridge_mr.typing import PyTree
+
 from . import _primitives
 from ._maps import trace_map
 from ._mesh import AnyMesh, abstract, axis_type, placement_mesh
@@ -26,8 +28,6 @@ from ._program import (
     require_broadcasts,
     require_placement,
 )
-
-PyTree: TypeAlias = Any
 
 
 def _as_array(leaf: Any, *, argument: str, path: tuple[Any, ...]) -> jax.Array:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType
 
+from bridge_mr.typing import PyTree
+
 from ._mesh import AnyMesh, axis_type, check_mesh
 from ._program import Placement
 
-PyTree: TypeAlias = Any
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "weighted_mean")
 STRATEGIES: tuple[str, ...] = ("vmap", "per_client", "chunks")
 

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from bridge_mr.typing import PyTree, Reduction, Strategy
 
 from . import _primitives
 from ._api import broadcast, map_fn, reduce_mean, reduce_sum, reduce_weighted_mean
@@ -45,10 +47,6 @@ from ._arguments import (
 from ._layouts import canonical_layouts
 from ._mesh import AnyMesh, placement_mesh
 from ._program import Placement, program
-
-PyTree: TypeAlias = Any
-Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
-Strategy: TypeAlias = Literal["vmap", "per_client", "chunks"]
 
 
 def map_reduce(
@@ -206,7 +204,7 @@ def _looped(
             f"the structure of fn's output ({out_def}); got {weight_def}. Pass a single "
             "per-client weight vector, or weights shaped like the values."
         )
-    plan = _Plan(reduce, out_avals, jax.tree.leaves(weights))
+    accumulation = _Accumulation(reduce, out_avals, jax.tree.leaves(weights))
     mask = None if padded == n else np.arange(padded).reshape(steps, size) < n
     xs = (
         jax.tree.map(chunked, clients),
@@ -222,14 +220,16 @@ def _looped(
                 results = map_fn(lambda c: fn(server, c), (chunk,), mesh=mesh)
         else:
             results = fn(server, chunk)
-        parts = plan.contributions(jax.tree.leaves(results), chunk_weights, chunk_mask, batched)
+        parts = accumulation.contributions(
+            jax.tree.leaves(results), chunk_weights, chunk_mask, batched
+        )
         return [total + part for total, part in zip(carry, parts, strict=True)], None
 
-    totals, _ = jax.lax.scan(jax.checkpoint(step), plan.zeros(), xs)
-    return jax.tree.unflatten(out_def, plan.finish(totals, n))
+    totals, _ = jax.lax.scan(jax.checkpoint(step), accumulation.zeros(), xs)
+    return jax.tree.unflatten(out_def, accumulation.finish(totals, n))
 
 
-class _Plan:
+class _Accumulation:
     """What the loop accumulates per output leaf, in which dtype, and how it finishes.
 
     The carry holds one sum per output leaf and, for the weighted mean, the weight sums (one

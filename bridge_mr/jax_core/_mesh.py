@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TypeAlias
-
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from bridge_mr._compat import jax as _jax_compat
+from bridge_mr.typing import AnyMesh
 
 from ._program import Placement
-
-AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 
 def ambient_mesh() -> AnyMesh | None:

@@ -17,7 +17,6 @@ from ._protocols import Jitted as Jitted
 from ._protocols import Runner as Runner
 from ._xla import XlaRunner as XlaRunner
 from ._xla import call_jax_on_xla as call_jax_on_xla
-from ._xla import clear_cache as clear_caches
 from ._xla import is_xla_tensor as is_xla_tensor
 from ._xla import torch_xla_global_mesh as torch_xla_global_mesh
 
@@ -27,7 +26,6 @@ __all__ = [
     "Runner",
     "XlaRunner",
     "call_jax_on_xla",
-    "clear_caches",
     "is_xla_tensor",
     "runner_for",
     "torch_xla_global_mesh",

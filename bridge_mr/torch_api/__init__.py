@@ -1,14 +1,15 @@
 """The torch frontend: JAX functions and MapReduce primitives on torch tensors, with autograd."""
 
-from ._auto import Candidate as Candidate
-from ._auto import Choice as Choice
-from ._auto import map_reduce_choices as map_reduce_choices
-from ._caches import clear_caches as clear_caches
-from ._caches import trace_counts as trace_counts
+from bridge_mr.auto import Candidate as Candidate
+from bridge_mr.auto import Choice as Choice
+from bridge_mr.auto import map_reduce_choices as map_reduce_choices
+from bridge_mr.jax_core import clear_caches as clear_caches
+
 from ._function import RetraceWarning as RetraceWarning
 from ._function import TorchFunction as TorchFunction
 from ._function import torch_function as torch_function
 from ._map_reduce import map_reduce as map_reduce
+from ._map_reduce import trace_counts as trace_counts
 from ._ops import broadcast as broadcast
 from ._ops import map_fn as map_fn
 from ._ops import reduce_mean as reduce_mean

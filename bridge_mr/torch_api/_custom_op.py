@@ -19,7 +19,6 @@ trace through it; its autograd formula saves the residual tensors and calls the 
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import threading
@@ -58,17 +57,11 @@ _functions: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary(
 _lock = threading.RLock()
 
 
-class _TracedCalls(collections.OrderedDict[tuple[str, str, str], "_OpEntry"]):
-    """The traced calls of the op by target, least recently used first."""
-
-    def clear(self) -> None:
-        """Drops every traced call (compiled graphs rebuild theirs from their targets)."""
-        with _lock:
-            super().clear()
-
-
-# A cache (bounded by _MAX_ENTRIES); `bridge_mr.clear_caches()` empties it.
-_entries = _caches.register("custom op traced calls", _TracedCalls())
+# The traced calls of the op by target, least recently used out first;
+# `bridge_mr.clear_caches()` empties it (compiled graphs rebuild theirs from their targets).
+_entries: _caches.Bounded[tuple[str, str, str], _OpEntry] = _caches.register(
+    "custom op traced calls", _caches.Bounded(_MAX_ENTRIES)
+)
 
 
 def register(fn: OpFunction) -> str:
@@ -170,11 +163,9 @@ def _in_avals(fn: Any, tensors: Sequence[torch.Tensor]) -> tuple[Aval, ...]:
 
 def _entry(uid: str, mask: str, in_avals: tuple[Aval, ...], device_type: str) -> _OpEntry:
     key = (uid, mask, _spell(in_avals) + "@" + device_type)
-    with _lock:
-        entry = _entries.get(key)
-        if entry is not None:
-            _entries.move_to_end(key)
-            return entry
+    entry = _entries.use(key)
+    if entry is not None:
+        return entry
     fn = _functions.get(int(uid))
     if fn is None:
         raise RuntimeError(
@@ -193,12 +184,9 @@ def _entry(uid: str, mask: str, in_avals: tuple[Aval, ...], device_type: str) ->
             f"tuple or list of arrays; it returned {tree}. Flatten the result "
             "(e.g. jax.tree_util.tree_leaves) or use torch_function(..., compilable=False)."
         )
-    entry = _OpEntry(traced)
     with _lock:
-        entry = _entries.setdefault(key, entry)
-        if len(_entries) > _MAX_ENTRIES:
-            _entries.popitem(last=False)
-    return entry
+        found = _entries.use(key)
+        return found if found is not None else _entries.put(key, _OpEntry(traced))
 
 
 def _resolve(target: str, tensors: Sequence[torch.Tensor]) -> _OpEntry:

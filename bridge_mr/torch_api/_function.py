@@ -1,6 +1,6 @@
 """`torch_function`: a JAX function as a differentiable torch function over pytrees of tensors.
 
-A call goes one way: its key (`_signature.call_key`) finds the signature's `Entry`, built once
+A call goes one way: its key (`_keys.call_key`) finds the signature's `Entry`, built once
 per key: the traced call (`_traced.trace`), the runner of its forward program (chosen by the
 tensors' device) and its backward strategy (`_autograd.Backward`); `_autograd.apply` runs it.
 """
@@ -22,18 +22,15 @@ from bridge_mr import _caches
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval
 from bridge_mr.dlpack import tensor_avals
+from bridge_mr.typing import PyTree
 
-from . import _custom_op, _signature
+from . import _custom_op, _keys, _signature
 from ._autograd import Backward, Entry, run
 from ._signature import TENSOR
 from ._static import FunctionIdentity
 from ._traced import CallSpec, TraceCounter, TracedCall, forward_runner, trace
 
-PyTree = Any
-
 _MAX_ENTRIES = 256
-# Entries keyed by a function's identity (see _static): a function re-created on every call
-# adds one per call, so they are bounded more tightly, oldest first.
 _MAX_IDENTITY_ENTRIES = 16
 # After this many traces caused by re-created functions of one code object, warn once.
 _RETRACE_WARNING_AT = 3
@@ -119,12 +116,10 @@ class TorchFunction:
         self._name = name
         self.arg_names = tuple(arg_names)
         self.compilable = compilable
-        self._entries: dict[tuple[Any, ...], Entry] = {}
-        self._identity_keys: list[tuple[Any, ...]] = []
-        # Entries a caller finds by its own, cheaper key (`map_reduce`'s cached calls): read
-        # directly, added to by `remember`, cleared with the cache.
-        self.hits: dict[Any, Entry] = {}
-        self._identity_hits: list[Any] = []
+        self._entries, self._identity_keys = _bounded_entries()
+        # Entries a caller in this package finds by its own, cheaper key (`map_reduce`'s
+        # cached calls): read directly, added to by `_remember`, cleared with the cache.
+        self._hits, self._identity_hits = _bounded_entries()
         # Per code object: how many distinct function objects of it were traced, and the last.
         self._retraces: dict[Any, tuple[int, int, int]] = {}
         self._lock = threading.RLock()
@@ -187,7 +182,7 @@ class TorchFunction:
         with self._lock:
             self._entries.clear()
             self._identity_keys.clear()
-            self.hits.clear()
+            self._hits.clear()
             self._identity_hits.clear()
             self._retraces.clear()
 
@@ -222,42 +217,27 @@ class TorchFunction:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
-        found = self.lookup(args, kwargs)
+        found = self._lookup(args, kwargs)
         if found is None:
             return self._jax_fn(*args, **kwargs)
         return run(*found)
 
-    def lookup(
+    def _lookup(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Entry, list[torch.Tensor]] | None:
-        """The entry of a call's signature (traced on a miss) and the call's tensors, in order.
-
-        What a call runs; `map_reduce` keeps the entry for its own cached calls.
-
-        Args:
-          args: the call's positional arguments.
-          kwargs: its keyword arguments.
-
-        Returns:
-          The signature's `Entry` and the call's tensor leaves in flattening order, or None for
-          a call with no tensor of a `passthrough_jax` function (a plain JAX call).
+        """The entry of a call's signature (traced on a miss) and the call's tensors, in order;
+        None for a call with no tensor of a `passthrough_jax` function (a plain JAX call).
 
         Raises:
           TypeError: the arguments cannot be flattened, or a static leaf is not hashable, or a
             tensor cannot be passed to JAX (the message names it).
-
-        Example:
-          >>> f = bridge_mr.torch_function(lambda x: jnp.sin(x).sum())
-          >>> entry, tensors = f.lookup((torch.ones(3),), {})  # traces this signature
-          >>> f.trace_count, len(tensors), entry.traced.outputs.n_out
-          (1, 1, 1)
         """
         try:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         except (TypeError, ValueError) as err:
             raise _signature.flatten_error(repr(self), self.arg_names, args, kwargs) from err
         grad = torch.is_grad_enabled()
-        key, tensors = _signature.call_key(leaves, treedef, grad)
+        key, tensors = _keys.call_key(leaves, treedef, grad)
         if not tensors and self._passthrough_jax:
             return None
         try:
@@ -270,23 +250,11 @@ class TorchFunction:
             entry = self._entry(key, treedef, leaves, tensors, grad)
         return entry, tensors
 
-    def remember(self, key: Any, entry: Entry, *, by_identity: bool) -> None:
-        """Keeps `entry` in `hits` under a caller's own `key`, within the entries' bounds.
-
-        Args:
-          key: the caller's key for calls that run `entry` (hashable).
-          entry: what such calls run (from `lookup`).
-          by_identity: whether the key holds a function by identity (bounded more tightly).
-
-        Example:
-          >>> f = bridge_mr.torch_function(lambda x: jnp.sin(x).sum())
-          >>> entry, _ = f.lookup((torch.ones(3),), {})
-          >>> f.remember(("ones", 3), entry, by_identity=False)
-          >>> f.hits[("ones", 3)] is entry
-          True
-        """
+    def _remember(self, key: Any, entry: Entry, *, by_identity: bool) -> None:
+        """Keeps `entry` in `_hits` under a caller's own `key` (hashable), within the bounds
+        (`by_identity`: the key holds a function by identity, bounded more tightly)."""
         with self._lock:
-            _keep(self.hits, self._identity_hits if by_identity else None, key, entry)
+            _keep(self._hits, self._identity_hits if by_identity else None, key, entry)
 
     def _entry(
         self,
@@ -300,7 +268,7 @@ class TorchFunction:
             entry = self._entries.get(key)
             if entry is not None:
                 return entry
-            identities = _signature.function_identities(key)
+            identities = _keys.function_identities(key)
             if identities:
                 self._note_retrace(identities)
             statics = _signature.statics(leaves)
@@ -430,16 +398,28 @@ class TorchFunction:
                 )
 
 
+def _bounded_entries() -> tuple[_caches.Bounded[Any, Entry], _caches.Bounded[Any, None]]:
+    """Entries (at most 256) and their keys that hold a function by identity (at most 16:
+    a function re-created on every call adds one per call); the oldest go first."""
+    entries = _caches.Bounded[Any, Entry](_MAX_ENTRIES)
+
+    def drop(key: Any) -> None:
+        entries.pop(key, None)
+
+    return entries, _caches.Bounded(_MAX_IDENTITY_ENTRIES, on_drop=drop)
+
+
 def _keep(
-    entries: dict[Any, Entry], identity_keys: list[Any] | None, key: Any, entry: Entry
+    entries: _caches.Bounded[Any, Entry],
+    identity_keys: _caches.Bounded[Any, None] | None,
+    key: Any,
+    entry: Entry,
 ) -> None:
-    """Adds `entry` under `key` within the bounds, oldest out first: 256 in all, and 16 of the
-    keys holding a function by identity (`identity_keys`, None for a key that holds none)."""
+    """Adds `entry` under `key` (and the key to `identity_keys`, None for a key that holds no
+    function by identity), within their bounds."""
     if identity_keys is not None:
-        identity_keys.append(key)
-        if len(identity_keys) > _MAX_IDENTITY_ENTRIES:
-            entries.pop(identity_keys.pop(0), None)
-    _caches.make_room(entries, _MAX_ENTRIES)[key] = entry
+        identity_keys.put(key, None)
+    entries.put(key, entry)
 
 
 def _derived(jax_fn: Any, name: str) -> TorchFunction:

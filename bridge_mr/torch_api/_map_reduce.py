@@ -1,29 +1,30 @@
 """`map_reduce`: broadcast → per-client map → reduce as one compiled, differentiable call.
 
-The round itself is `bridge_mr.jax_core.map_reduce`; this module checks the arguments and makes
-it a `TorchFunction`. `strategy="auto"` is `_auto`'s (which decides among the strategies once per
-signature and keeps the fastest), a round across processes `_processes`'.
+The round itself is `bridge_mr.jax_core.map_reduce` (`_round`); this module checks the arguments
+and makes it a `TorchFunction`. A call is its key (`_keys.cached_key`), then a hit (the entry an
+earlier call of the key ran) or the full path: the checks, the strategy (`strategy="auto"`:
+`bridge_mr.auto`, once per signature), the torch function's own key and entry. A round across
+processes is `_processes`'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
-import jax
 import torch
 from jax.sharding import AbstractMesh, Mesh
 
-from bridge_mr import distributed, jax_core
-from bridge_mr._compat import jax as jax_compat
+from bridge_mr import auto, distributed, jax_core
 from bridge_mr._compat import torch as torch_compat
+from bridge_mr.typing import AutoOrStrategy, ClientFn, PyTree, Reduction
 
-from . import _weights
-from ._auto import MapReduceFunction, Round, choose, same
+from . import _keys, _weights
 from ._autograd import Entry, run
+from ._function import TorchFunction
+from ._ops import OPERATIONS
 from ._processes import across_processes, holds_tensors
-from ._round import ARG_NAMES, STRATEGIES, ClientFn, PyTree, Reduction, Strategy, map_reduce_jax
-from ._static import FUNCTION_TYPES, FunctionIdentity, function_key, static_key
+from ._round import ARG_NAMES, STRATEGIES, auto_option, map_reduce_jax, trace_client
 
 
 def map_reduce(
@@ -36,7 +37,7 @@ def map_reduce(
     placement: str = "clients",
     mesh: Mesh | AbstractMesh | None = None,
     check_weights: bool = True,
-    strategy: Strategy = "auto",
+    strategy: AutoOrStrategy = "auto",
     chunk_size: int | None = None,
     memory_budget_bytes: int | None = None,
 ) -> PyTree:
@@ -58,11 +59,12 @@ def map_reduce(
     matrix products and convolutions, peak live memory, convolution groups), rules out on CPU
     the batched strategies that would turn convolutions over per-client weights into grouped
     convolutions, and those over `memory_budget_bytes`, and keeps vmap unless another needs
-    clearly fewer operations (`AUTO_MARGIN`). The call then compiles and runs the strategy
-    picked, and keeps its program, so the first call of "auto" costs about what the first call
-    of the strategy it picks does. Each decision is also kept on disk (`$BRIDGE_MR_CACHE_DIR`,
-    else `$XDG_CACHE_HOME/bridge_mr`, else `~/.cache/bridge_mr`; `BRIDGE_MR_AUTO_DISK=0` turns
-    it off) so the next process reads it instead of deciding again.
+    clearly fewer operations (`AUTO_MARGIN`; the settings: `bridge_mr.auto.settings`). The call
+    then compiles and runs the strategy picked, and keeps its program, so the first call of
+    "auto" costs about what the first call of the strategy it picks does. Each decision is also
+    kept on disk (`$BRIDGE_MR_CACHE_DIR`, else `$XDG_CACHE_HOME/bridge_mr`, else
+    `~/.cache/bridge_mr`; `BRIDGE_MR_AUTO_DISK=0` turns it off) so the next process reads it
+    instead of deciding again.
     `bridge_mr.map_reduce_choices()` lists the choices with their estimates, and the
     "bridge_mr" logger reports each at DEBUG level. "auto" runs vmap without deciding for
     JAX inputs, torch-xla tensors (whose lazy calls cannot be timed one by one) and under
@@ -106,7 +108,7 @@ def map_reduce(
       memory_budget_bytes: for "auto": the most memory a candidate may need by the cost
         model's estimate, read from its jaxpr (default: half the device's memory limit, or half
         the host's memory on CPU, and at most `AUTO_MEMORY_FACTOR` times the leanest
-        candidate's estimate when that is over `AUTO_MEMORY_FLOOR`).
+        candidate's estimate when that is over `AUTO_MEMORY_FLOOR`: `bridge_mr.auto.settings`).
 
     Returns:
       The reduction of `fn`'s results, with `fn`'s output structure: torch tensors for torch
@@ -135,42 +137,70 @@ def map_reduce(
       (torch.Size([3]), torch.Size([]))
     """
     options = (reduce, placement, mesh, check_weights, strategy, chunk_size, memory_budget_bytes)
-    cached = None
-    if not torch.compiler.is_compiling() and not distributed.multi_process():
-        cached = _cached(fn, server, clients, weights, options)
-    if cached is None or cached[2] is None:  # Not cached: the arguments are checked.
+    compiling = torch.compiler.is_compiling()
+    process = distributed.current()  # Not `multi_process()`: one Python call fewer per call.
+    multi_process = process is not None and process.world_size > 1
+    hit = None
+    if not (compiling or multi_process):
+        cached = _keys.cached_key(fn, (server, clients, weights), options)
+        if cached is not None:
+            try:
+                hit = _Hit(*cached, MAP_REDUCE._hits.get(cached[0]))
+            except TypeError:  # An unhashable static: the full path names it.
+                hit = None
+    if hit is None or hit.entry is None:  # Not a hit: the arguments are checked.
         strategy = _strategy(strategy, chunk_size, memory_budget_bytes)
         jax_core.check_mesh(mesh, caller="map_reduce", placement=placement)
-        if distributed.multi_process() and holds_tensors((server, clients, weights)):
+        if multi_process and holds_tensors((server, clients, weights)):
             return _across_processes(fn, server, clients, weights, *options)
     check_after = None
     if weights is not None and check_weights and reduce == "weighted_mean":
         check_after = _weights.check_weights(weights)
-    if cached is not None and cached[2] is not None:
-        result = run(cached[2], cached[1])
+    if hit is not None and hit.entry is not None:
+        result = run(hit.entry, hit.tensors)
     else:
         args = (fn, server, clients, weights, reduce, placement, mesh)
-        if strategy == "auto":
-            picked = choose(args, memory_budget_bytes, _ONE_PROCESS)
-        else:
-            picked = (strategy, chunk_size)
-        found = None if torch.compiler.is_compiling() else MAP_REDUCE.lookup((*args, *picked), {})
-        if found is not None:
-            result = run(*found)
-            if cached is not None:
-                _remember(cached, found[0])
-        elif torch.compiler.is_compiling():
-            result = MAP_REDUCE(*args, *picked)
-        else:  # JAX inputs: the JAX round itself.
-            result = map_reduce_jax(*args, *picked)
+        result = _full_path(args, strategy, chunk_size, memory_budget_bytes, hit, compiling)
     if check_after is not None:
         check_after()
     return result
 
 
+class _Hit(NamedTuple):
+    """A call's cached key, its tensors, and the entry an earlier call left under the key."""
+
+    key: tuple[Any, ...]
+    tensors: list[torch.Tensor]
+    entry: Entry | None
+
+
+def _full_path(
+    args: tuple[ClientFn, PyTree, PyTree, PyTree, Reduction, str, Mesh | AbstractMesh | None],
+    strategy: AutoOrStrategy,
+    chunk_size: int | None,
+    budget: int | None,
+    hit: _Hit | None,
+    compiling: bool,
+) -> PyTree:
+    """The round of a call that is not a hit: the strategy, then the torch function's entry
+    (kept under the call's cached key), or under `torch.compile` the torch function itself."""
+    if strategy == "auto":
+        picked = auto_option(args, budget, _ONE_PROCESS)
+    else:
+        picked = (strategy, chunk_size)
+    if compiling:
+        return MAP_REDUCE(*args, *picked)
+    found = MAP_REDUCE._lookup((*args, *picked), {})
+    if found is None:  # JAX inputs: the JAX round itself.
+        return map_reduce_jax(*args, *picked)
+    if hit is not None:
+        _remember(hit, found[0])
+    return run(*found)
+
+
 def _across_processes(fn: ClientFn, server: PyTree, clients: PyTree, weights: PyTree,
                       reduce: Reduction, placement: str, mesh: Any, check_weights: bool,
-                      strategy: Strategy, chunk_size: int | None,
+                      strategy: AutoOrStrategy, chunk_size: int | None,
                       memory_budget_bytes: int | None) -> PyTree:  # fmt: skip
     """The round across torchrun processes (`_processes`), eagerly under `torch.compile`."""
     across: Callable[..., PyTree] = across_processes
@@ -182,55 +212,16 @@ def _across_processes(fn: ClientFn, server: PyTree, clients: PyTree, weights: Py
                   strategy, chunk_size, memory_budget_bytes)  # fmt: skip
 
 
-def _cached(
-    fn: ClientFn, server: PyTree, clients: PyTree, weights: PyTree, options: tuple[Any, ...]
-) -> tuple[Any, list[torch.Tensor], Entry | None] | None:
-    """A call's cached-call key, its tensors and the entry an earlier call left under the key.
-
-    The key holds `fn`'s key (`_static.function_key`: by value or identity, its walk skipped
-    while what it read is unchanged), the tree structure, each tensor's shape, dtype, device,
-    layout and `requires_grad`, grad mode, the call's options (reduce, placement, mesh,
-    strategy, ...), the active placement, the ambient mesh and JAX's trace context: what the
-    full key of `MAP_REDUCE` holds for the same call, and what auto's choice depends on. None
-    where a leaf is not a plain torch tensor (numbers, subclasses: the full path takes them),
-    or the arguments cannot be flattened or hashed (the full path names what).
-    """
-    try:
-        leaves, treedef = jax.tree_util.tree_flatten((server, clients, weights))
-    except (TypeError, ValueError):  # Dict keys that do not sort: the full path names them.
-        return None
-    parts = []
-    for leaf in leaves:
-        if type(leaf) is not torch.Tensor:
-            return None
-        parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad))
-    key = (
-        function_key(fn) if isinstance(fn, FUNCTION_TYPES) else static_key(fn),
-        treedef,
-        tuple(parts),
-        torch.is_grad_enabled(),
-        options,
-        jax_core.current_placement(),
-        jax_core.ambient_mesh(),
-        jax_compat.trace_context(),
-    )
-    try:
-        return key, leaves, MAP_REDUCE.hits.get(key)
-    except TypeError:
-        return None
-
-
-def _remember(cached: tuple[Any, list[torch.Tensor], Entry | None], entry: Entry) -> None:
-    """Keeps the entry a call ran under its cached-call key (not under torch.func transforms,
-    where auto runs vmap without measuring; not where the full path took other tensors)."""
+def _remember(hit: _Hit, entry: Entry) -> None:
+    """Keeps the entry a call ran under its cached key (not under torch.func transforms, where
+    auto runs vmap without deciding; not where the full path took other tensors)."""
     if torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active():
         return
-    key, tensors, _ = cached
-    if len(tensors) == len(entry.traced.spec.in_avals):
-        MAP_REDUCE.remember(key, entry, by_identity=isinstance(key[0], FunctionIdentity))
+    if len(hit.tensors) == len(entry.traced.spec.in_avals):
+        MAP_REDUCE._remember(hit.key, entry, by_identity=_keys.by_identity(hit.key))
 
 
-def _strategy(strategy: Any, chunk_size: Any, memory_budget_bytes: Any) -> Strategy:
+def _strategy(strategy: Any, chunk_size: Any, memory_budget_bytes: Any) -> AutoOrStrategy:
     """The strategy to run, the arguments checked: `chunk_size` alone means "chunks"."""
     if isinstance(strategy, str) and strategy == "auto" and chunk_size is not None:
         if memory_budget_bytes is not None:
@@ -241,7 +232,7 @@ def _strategy(strategy: Any, chunk_size: Any, memory_budget_bytes: Any) -> Strat
             )
         strategy = "chunks"
     jax_core.check_strategy(strategy, chunk_size, STRATEGIES)
-    checked = cast(Strategy, strategy)  # One of STRATEGIES.
+    checked = cast(AutoOrStrategy, strategy)  # One of STRATEGIES.
     if memory_budget_bytes is None:
         return checked
     if strategy != "auto":
@@ -262,14 +253,35 @@ def _strategy(strategy: Any, chunk_size: Any, memory_budget_bytes: Any) -> Strat
     return checked
 
 
-MAP_REDUCE = MapReduceFunction(
+MAP_REDUCE = TorchFunction(
     map_reduce_jax, passthrough_jax=True, name="map_reduce", arg_names=ARG_NAMES
 )
 # `auto` runs (and, with AUTO_TIMING, times) its candidates in MAP_REDUCE itself, so the
 # program of the one picked is the one kept.
-_ONE_PROCESS = Round(
-    MAP_REDUCE,
-    map_reduce_jax,
-    same,
-    same,
-)
+_ONE_PROCESS = auto.RoundKind(MAP_REDUCE, map_reduce_jax, trace_client, auto.same, auto.same)
+
+
+def trace_counts() -> dict[str, int]:
+    """How many times each torch-level entry point has traced a JAX program so far.
+
+    A training loop whose counts stop growing after its first steps does not retrace. The
+    counts include traces of the programs derived from a call (its backward).
+
+    Returns:
+      A dict from entry point name ("map_reduce", "broadcast", "map_fn", "reduce_sum",
+      "reduce_mean", "reduce_weighted_mean") to its trace count. For a function made with
+      `torch_function`, read its own `trace_count`.
+
+    Example:
+      >>> step = lambda: bridge_mr.map_reduce(jax_loss, params, batch, strategy="vmap").backward()
+      >>> step()  # traces (forward and backward) on the first call of this signature
+      >>> before = bridge_mr.trace_counts()["map_reduce"]
+      >>> for _ in range(3):
+      ...     step()
+      >>> bridge_mr.trace_counts()["map_reduce"] == before  # the same signature: no new trace
+      True
+      >>> sorted(bridge_mr.trace_counts())
+      ['broadcast', 'map_fn', 'map_reduce', 'reduce_mean', 'reduce_sum', 'reduce_weighted_mean']
+    """
+    functions = (MAP_REDUCE, *OPERATIONS)
+    return {repr(fn): fn.trace_count for fn in functions}

@@ -8,18 +8,14 @@ JAX-level function itself, so the same names serve JAX code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
 
 import jax
 import torch
-from jax.sharding import AbstractMesh, Mesh
 
 from bridge_mr import distributed, jax_core
+from bridge_mr.typing import AnyMesh, PyTree
 
 from ._function import TorchFunction
-
-PyTree: TypeAlias = Any
-AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 _BROADCAST = TorchFunction(
     jax_core.broadcast, passthrough_jax=True, name="broadcast", arg_names=("x",)

@@ -19,19 +19,12 @@ import numpy as np
 import torch
 from jax.sharding import AbstractMesh, Mesh
 
-from bridge_mr import distributed, jax_core
+from bridge_mr import auto, distributed, jax_core
+from bridge_mr.typing import AutoOrStrategy, ClientFn, PyTree, Reduction, Strategy
 
 from . import _weights
-from ._auto import MapReduceFunction, Round, choose
-from ._round import (
-    PROCESS_ARG_NAMES,
-    ClientFn,
-    Measured,
-    PyTree,
-    Reduction,
-    Strategy,
-    map_reduce_jax,
-)
+from ._function import TorchFunction
+from ._round import PROCESS_ARG_NAMES, auto_option, map_reduce_jax, trace_client
 
 
 def map_reduce_processes_jax(
@@ -42,7 +35,7 @@ def map_reduce_processes_jax(
     reduce: Reduction,
     placement: str,
     layout: distributed.Layout,
-    strategy: Measured = "vmap",
+    strategy: Strategy = "vmap",
     chunk_size: int | None = None,
 ) -> PyTree:
     """The round over every rank's clients, on global arrays laid out by `layout`.
@@ -123,13 +116,14 @@ def _masked_round(
     )
 
 
-MAP_REDUCE_PROCESSES = MapReduceFunction(
+MAP_REDUCE_PROCESSES = TorchFunction(
     map_reduce_processes_jax, name="map_reduce", arg_names=PROCESS_ARG_NAMES
 )
 # `auto` across processes: see `_map_reduce._ONE_PROCESS`. Timings and budgets are agreed.
-_PROCESSES = Round(
+_PROCESSES = auto.RoundKind(
     MAP_REDUCE_PROCESSES,
     map_reduce_processes_jax,
+    trace_client,
     distributed.agree_seconds,
     distributed.agree_minimum,
     across_processes=True,
@@ -150,7 +144,7 @@ def across_processes(
     placement: str,
     mesh: Mesh | AbstractMesh | None,
     check_weights: bool,
-    strategy: Strategy,
+    strategy: AutoOrStrategy,
     chunk_size: int | None,
     memory_budget_bytes: int | None,
 ) -> PyTree:
@@ -196,7 +190,7 @@ def across_processes(
         weights = _pad_rows(weights, count, layout.slot, repeat_last=False)
     args = (fn, server, clients, weights, reduce, placement, layout)
     if strategy == "auto":
-        return MAP_REDUCE_PROCESSES(*args, *choose(args, memory_budget_bytes, _PROCESSES))
+        return MAP_REDUCE_PROCESSES(*args, *auto_option(args, memory_budget_bytes, _PROCESSES))
     return MAP_REDUCE_PROCESSES(*args, strategy, chunk_size)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Hashable
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +24,12 @@ import torch
 from jax.extend import core
 from jax.sharding import AbstractMesh, Mesh
 
-from bridge_mr import _caches, jax_core
-from bridge_mr._compat import jax as jax_compat
+from bridge_mr import _caches, auto, jax_core
+from bridge_mr.typing import ClientFn, PyTree, Reduction, Strategy
 
+from ._keys import call_key, trace_key
 from ._static import FunctionIdentity, static_key
 
-PyTree: TypeAlias = Any
-Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
-Strategy: TypeAlias = Literal["auto", "vmap", "per_client", "chunks"]
-#: The strategies a round runs with (those `auto` measures).
-Measured: TypeAlias = Literal["vmap", "per_client", "chunks"]
 #: The strategies the torch `map_reduce` offers: the JAX round's and "auto".
 STRATEGIES: tuple[str, ...] = ("auto", *jax_core.STRATEGIES)
 
@@ -53,12 +49,6 @@ ARG_NAMES: tuple[str, ...] = (
 PROCESS_ARG_NAMES: tuple[str, ...] = (*ARG_NAMES[:6], "layout", *ARG_NAMES[7:])
 
 
-class ClientFn(Protocol):
-    """A JAX function of (server value, one client's slice) returning a pytree of arrays."""
-
-    def __call__(self, server: PyTree, client: PyTree, /) -> PyTree: ...
-
-
 def map_reduce_jax(
     fn: ClientFn,
     server: PyTree,
@@ -67,7 +57,7 @@ def map_reduce_jax(
     reduce: Reduction,
     placement: str,
     mesh: Mesh | AbstractMesh | None,
-    strategy: Measured = "vmap",
+    strategy: Strategy = "vmap",
     chunk_size: int | None = None,
 ) -> PyTree:
     """The JAX program behind `map_reduce` (arguments as there, all positional).
@@ -86,6 +76,23 @@ def map_reduce_jax(
         strategy=strategy,
         chunk_size=chunk_size,
     )
+
+
+def auto_option(
+    args: tuple[Any, ...], budget: int | None, kind: auto.RoundKind
+) -> tuple[Strategy, int | None]:
+    """The strategy and chunk size `strategy="auto"` runs a round with (`auto.choose`, keyed
+    by the round's arguments and `budget`); vmap under `torch.compile` (Dynamo would trace the
+    deciding) and for arguments that cannot be keyed (the round's call says why)."""
+    if torch.compiler.is_compiling():
+        return "vmap", None
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten((args, budget))
+        key, tensors = call_key(leaves, treedef, torch.is_grad_enabled())
+        hash(key)
+    except (TypeError, ValueError):
+        return "vmap", None
+    return auto.choose(key, tensors, args, budget, kind)
 
 
 #: Traces kept per client function (its most recent shapes first out).
@@ -109,14 +116,16 @@ class ClientTrace:
 # (`_static.static_key`), so a trace is replayed exactly where the compile cache would reuse a
 # program of the function: by value (a re-created lambda over the same values replays it; one
 # whose globals or captures were rebound has another key), or by identity, weakly.
-_BY_VALUE: dict[Hashable, dict[Hashable, ClientTrace]]
-_BY_VALUE = _caches.register("map_reduce client traces by value", {})
-_BY_IDENTITY: dict[int, tuple[weakref.ref[Any], dict[Hashable, ClientTrace]]]
-_BY_IDENTITY = _caches.register("map_reduce client traces by identity", {})
 _MAX_FUNCTIONS = 64
+_BY_VALUE: _caches.Bounded[Hashable, _caches.Bounded[Hashable, ClientTrace]]
+_BY_VALUE = _caches.register("map_reduce client traces by value", _caches.Bounded(_MAX_FUNCTIONS))
+_BY_IDENTITY: _caches.Bounded[int, tuple[weakref.ref[Any], _caches.Bounded[Hashable, ClientTrace]]]
+_BY_IDENTITY = _caches.register(
+    "map_reduce client traces by identity", _caches.Bounded(_MAX_FUNCTIONS)
+)
 
 
-def _traces_of(fn: ClientFn, *, create: bool) -> dict[Hashable, ClientTrace] | None:
+def _traces_of(fn: ClientFn, *, create: bool) -> _caches.Bounded[Hashable, ClientTrace] | None:
     """The kept traces of `fn` (a new, empty set with `create`), or None.
 
     Raises:
@@ -129,12 +138,12 @@ def _traces_of(fn: ClientFn, *, create: bool) -> dict[Hashable, ClientTrace] | N
             return found[1]
         if not create:
             return None
-        traces: dict[Hashable, ClientTrace] = {}
-        _caches.make_room(_BY_IDENTITY, _MAX_FUNCTIONS)[id(fn)] = (weakref.ref(fn), traces)
+        traces = _caches.Bounded[Hashable, ClientTrace](_MAX_TRACES_PER_FUNCTION)
+        _BY_IDENTITY.put(id(fn), (weakref.ref(fn), traces))
         return traces
     kept = _BY_VALUE.get(key)
     if kept is None and create:
-        kept = _caches.make_room(_BY_VALUE, _MAX_FUNCTIONS)[key] = {}
+        kept = _BY_VALUE.put(key, _caches.Bounded(_MAX_TRACES_PER_FUNCTION))
     return kept
 
 
@@ -161,29 +170,14 @@ def trace_client(
         # Through a new function: make_jaxpr keeps traces by the function's equality, and two
         # bound methods of one object are equal after the object changed.
         closed, shape = jax.make_jaxpr(lambda s, c: fn(s, c), return_shape=True)(server, client)
-        key = _key(jax.tree.structure((server, client)), tuple(closed.in_avals))
+        key = trace_key(jax.tree.structure((server, client)), tuple(closed.in_avals))
     found = ClientTrace(closed, jax.tree.structure(shape))
     try:
         traces = _traces_of(fn, create=True)
     except TypeError:  # Not weakly referable or not hashable: the round traces it itself.
         return found
     assert traces is not None  # Created.
-    traces.pop(key, None)
-    traces[key] = found
-    while len(traces) > _MAX_TRACES_PER_FUNCTION:
-        del traces[next(iter(traces))]
-    return found
-
-
-def _key(tree: Any, avals: tuple[Any, ...]) -> Hashable:
-    return (
-        tree,
-        avals,
-        jax_core.current_placement(),
-        jax_core.ambient_mesh(),
-        jax_compat.trace_context(),
-        torch.is_grad_enabled(),
-    )
+    return traces.put(key, found)
 
 
 def _replaying(fn: ClientFn) -> ClientFn:
@@ -198,14 +192,14 @@ def _replaying(fn: ClientFn) -> ClientFn:
 class _Replay:
     """The client function, evaluated from its kept trace when one matches the call."""
 
-    def __init__(self, fn: ClientFn, traces: dict[Hashable, ClientTrace]) -> None:
+    def __init__(self, fn: ClientFn, traces: _caches.Bounded[Hashable, ClientTrace]) -> None:
         self._fn = fn
         self._traces = traces
 
     def __call__(self, server: PyTree, client: PyTree) -> PyTree:
         leaves, tree = jax.tree.flatten((server, client))
         try:
-            found = self._traces.get(_key(tree, tuple(jax.typeof(x) for x in leaves)))
+            found = self._traces.get(trace_key(tree, tuple(jax.typeof(x) for x in leaves)))
         except TypeError:  # A leaf JAX has no type for: the function says what it makes of it.
             found = None
         if found is None:

@@ -1,10 +1,6 @@
-"""A call's signature: its flattened arguments, its compile-cache key, and the errors about them.
-
-A call's leaves are split into tensors (traced inputs) and static values (part of the key, see
-`_static`). The key holds, besides the tree structure and static keys, each tensor's type,
-shape, dtype, device, layout and `requires_grad`, torch's grad mode, the active placement, the
-ambient JAX mesh and JAX's trace context (x64, promotion, precision, ...).
-"""
+"""A call's signature: its flattened arguments split into tensors and static values (whose keys
+`_keys` builds, see `_static`), what the statics tell (a layout, a mesh), and the errors about
+them."""
 
 from __future__ import annotations
 
@@ -17,10 +13,7 @@ import torch
 from jax.sharding import Mesh
 
 from bridge_mr import distributed, jax_core
-from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch as torch_compat
-
-from ._static import FunctionIdentity, static_key
 
 _DEVICE_TYPES = ("cpu", "cuda", "xla")
 
@@ -36,37 +29,6 @@ class _TensorSlot:
 
 #: The marker standing for a tensor among a call's static leaves.
 TENSOR = _TensorSlot()
-
-
-def call_key(
-    leaves: Sequence[Any], treedef: Any, grad: bool
-) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
-    """The compile-cache key of a call with these flattened leaves, and its tensors in order."""
-    tensors: list[torch.Tensor] = []
-    # A tensor's signature stands where the tensor sat; a static value's key where it did.
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-            parts.append(
-                (type(leaf), leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
-            )
-        else:
-            parts.append(static_key(leaf))
-    key = (
-        treedef,
-        tuple(parts),
-        grad,
-        jax_core.current_placement(),
-        jax_core.ambient_mesh(),
-        jax_compat.trace_context(),
-    )
-    return key, tensors
-
-
-def function_identities(key: tuple[Any, ...]) -> list[FunctionIdentity]:
-    """The static functions a key holds by identity (they could not be keyed by value)."""
-    return [part for part in key[1] if isinstance(part, FunctionIdentity)]
 
 
 def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:

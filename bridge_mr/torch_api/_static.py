@@ -87,7 +87,7 @@ def function_key(fn: Any) -> Any:
                 break
         else:
             return recent[2]
-    walk = _Walk()
+    walk = _ValueWalk()
     try:
         key = _ValueKey(_function_parts(fn, walk), walk.keep)
     except _NotByValue as err:
@@ -95,9 +95,7 @@ def function_key(fn: Any) -> Any:
         # traces are cleared.
         return FunctionIdentity(fn, err.what, err.reader, err.value_id)
     if not walk.arrays:
-        if len(_RECENT) >= _RECENT_MAX:
-            del _RECENT[next(iter(_RECENT))]
-        _RECENT[id(fn)] = (fn, tuple(walk.readers), key)
+        _RECENT.put(id(fn), (fn, tuple(walk.readers), key))
     return key
 
 
@@ -105,9 +103,8 @@ def function_key(fn: Any) -> Any:
 # function walked, the function, the global names its code reads and the objects it read; its
 # key). Holding the function keeps its id from being reused.
 _Reader = tuple[types.FunctionType, tuple[str, ...], tuple[Any, ...]]
-_RECENT: dict[int, tuple[Any, tuple[_Reader, ...], _ValueKey]]
-_RECENT = _caches.register("torch function identities", {})
-_RECENT_MAX = 256
+_RECENT: _caches.Bounded[int, tuple[Any, tuple[_Reader, ...], _ValueKey]]
+_RECENT = _caches.register("torch function identities", _caches.Bounded(256))
 _MISSING = object()
 
 
@@ -187,7 +184,7 @@ class _ValueKey(tuple):
         return key
 
 
-class _Walk:
+class _ValueWalk:
     """The state of one key's construction: functions being keyed, objects keyed by identity."""
 
     __slots__ = ("arrays", "keep", "readers", "stack")
@@ -244,7 +241,7 @@ _DEFINITIONS = (
 )
 
 
-def _value(value: Any, what: tuple[Any, ...], walk: _Walk) -> Any:
+def _value(value: Any, what: tuple[Any, ...], walk: _ValueWalk) -> Any:
     """The key of one captured value; raises _NotByValue where it cannot compare by value.
 
     `what` describes the value for the error (a format string and its arguments, formatted
@@ -299,7 +296,7 @@ def _read_only(array: np.ndarray) -> bool:
     return base is None or isinstance(base, bytes)
 
 
-def _function_parts(fn: Any, walk: _Walk) -> tuple[Any, ...]:
+def _function_parts(fn: Any, walk: _ValueWalk) -> tuple[Any, ...]:
     if isinstance(fn, functools.partial):
         return (
             type(fn),
@@ -376,7 +373,7 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 _EMPTY_CELL = ("<empty cell>",)
 
 
-def _cell_value(cell: types.CellType, what: tuple[Any, ...], walk: _Walk) -> Any:
+def _cell_value(cell: types.CellType, what: tuple[Any, ...], walk: _ValueWalk) -> Any:
     try:
         value = cell.cell_contents
     except ValueError:  # A cell whose variable is not assigned yet.

@@ -27,12 +27,11 @@ from jax.sharding import Mesh
 
 from bridge_mr import distributed, jax_core, runners
 from bridge_mr._dtypes import Aval, is_differentiable, torch_dtype
+from bridge_mr.typing import PyTree
 
 from ._signature import TENSOR
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-PyTree = Any
 
 
 class TraceCounter:

@@ -10,7 +10,8 @@ import pytest
 import bridge_mr.beam as bb
 from bridge_mr import _caches
 from bridge_mr import jax_core as mr
-from bridge_mr.beam import _lru, _planning, _worker
+from bridge_mr._caches import Bounded
+from bridge_mr.beam import _planning, _worker
 
 # jax.export serializes the segments with flatbuffers (part of the `beam` extra).
 pytest.importorskip("flatbuffers")
@@ -27,18 +28,23 @@ def records(count, size=3):
     return [(np.full(size, i, F32),) for i in range(count)]
 
 
-def test_the_lru_keeps_the_most_recently_used_entries():
-    cache = _lru.LRU[str, int](2)
+def test_a_bounded_cache_used_as_an_lru_keeps_the_most_recently_used_entries():
+    dropped = []
+    cache = Bounded[str, int](2, on_drop=dropped.append)
     cache.put("a", 1)
     cache.put("b", 2)
-    assert cache.get("a") == 1  # Now "b" is the least recently used.
+    assert cache.use("a") == 1  # Now "b" is the least recently used.
     cache.put("c", 3)
     assert len(cache) == 2
-    assert (cache.get("a"), cache.get("b"), cache.get("c")) == (1, None, 3)
+    assert dropped == ["b"]
+    assert (cache.use("a"), cache.use("b"), cache.use("c")) == (1, None, 3)
+    cache.put("a", 4)  # An existing key: replaced, nothing dropped.
+    assert dropped == ["b"]
+    assert cache.get("a") == 4
     cache.clear()
     assert len(cache) == 0
-    with pytest.raises(ValueError, match="maxsize must be at least 1"):
-        _lru.LRU[str, int](0)
+    with pytest.raises(ValueError, match="expected at least 1; got 0"):
+        Bounded[str, int](0)
 
 
 def test_a_program_keeps_at_most_plans_per_function_plans(monkeypatch):
@@ -54,7 +60,7 @@ def test_a_program_keeps_at_most_plans_per_function_plans(monkeypatch):
 
 
 def test_a_worker_keeps_at_most_its_bound_of_segments(monkeypatch):
-    monkeypatch.setattr(_worker, "_CACHE", _lru.LRU[bytes, object](2))
+    monkeypatch.setattr(_worker, "_CACHE", Bounded[bytes, object](2))
     plan = bb.split(scaled_mean, (F32(2),), records(1)[0])
     assert len(plan.segments) == 3
     for _ in range(2):

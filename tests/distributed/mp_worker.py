@@ -295,9 +295,10 @@ def streamed() -> None:
 def auto_measured() -> None:
     """`strategy="auto"` timing every candidate (`AUTO_TIMING`, no time box): every rank picks
     the same strategy (the timings are agreed across ranks)."""
-    from bridge_mr.torch_api import _auto
+    from bridge_mr.auto import settings
 
-    _auto.AUTO_TIMING, _auto.AUTO_TIME_BOX, _auto.AUTO_MIN_SECONDS = True, float("inf"), 0.0
+    settings.AUTO_TIMING, settings.AUTO_TIME_BOX = True, float("inf")
+    settings.AUTO_MIN_SECONDS = 0.0
 
     def heavy(w: jax.Array, x: jax.Array) -> jax.Array:
         h = x

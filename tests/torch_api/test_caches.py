@@ -76,6 +76,7 @@ def test_a_torch_function_can_drop_its_own_traces() -> None:
 
 def test_the_torch_frontends_module_caches_are_registered_and_cleared() -> None:
     from bridge_mr import _caches
+    from bridge_mr.auto import _choose
     from bridge_mr.dlpack import _import, _runtime
     from bridge_mr.runners import _xla
     from bridge_mr.torch_api import _custom_op, _static
@@ -87,13 +88,13 @@ def test_the_torch_frontends_module_caches_are_registered_and_cleared() -> None:
         "torch function global names": _static._NAMES,
         "torch-xla embedded computations": _xla._EMBEDDED,
         "custom op traced calls": _custom_op._entries,
+        "map_reduce auto choices": _choose._CHOICES,
     }
     registered = _caches.registered()
     for name, container in containers.items():
         assert registered[name] is container, name
     for name in (
         "torch function traces",
-        "map_reduce auto choices",
         "torch-xla global mesh",
     ):
         assert callable(registered[name]), name

@@ -21,7 +21,9 @@ from helpers.rounds import delta as _delta
 from helpers.rounds import loss as _loss
 
 import bridge_mr
-from bridge_mr.torch_api import _auto, _decisions, map_reduce
+from bridge_mr import auto
+from bridge_mr.auto import _pick, settings
+from bridge_mr.torch_api import map_reduce
 
 CLOSE = {"rtol": 2e-5, "atol": 2e-6}
 
@@ -150,9 +152,9 @@ def test_an_impure_client_function_is_traced_once_per_signature():
 
 
 def test_timing_mode_traces_the_client_once_and_keeps_the_winner(monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_TIMING", True)
-    monkeypatch.setattr(_auto, "AUTO_TIME_BOX", math.inf)  # Time every candidate left.
-    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(settings, "AUTO_TIMING", True)
+    monkeypatch.setattr(settings, "AUTO_TIME_BOX", math.inf)  # Time every candidate left.
+    monkeypatch.setattr(settings, "AUTO_MIN_SECONDS", 0.0)
     runs = []
 
     def counted(params, batch):
@@ -168,7 +170,7 @@ def test_timing_mode_traces_the_client_once_and_keeps_the_winner(monkeypatch):
     assert len(runs) == 1  # Three candidates compiled and timed from one trace of the client.
     assert all(c.seconds is not None and c.seconds > 0 for c in choice.candidates)
     # The fastest first call is within AUTO_GIVE_UP of itself: that candidate is timed fully.
-    assert max(c.timed_calls for c in choice.candidates) == _auto.AUTO_REPEATS
+    assert max(c.timed_calls for c in choice.candidates) == settings.AUTO_REPEATS
     # Each candidate's program was traced once, in map_reduce itself, and kept: the winner
     # runs later calls without tracing or compiling again.
     traced = bridge_mr.trace_counts()["map_reduce"] - before
@@ -177,17 +179,16 @@ def test_timing_mode_traces_the_client_once_and_keeps_the_winner(monkeypatch):
     assert bridge_mr.trace_counts()["map_reduce"] - before == traced
     seconds = {(c.strategy, c.chunk_size): c.seconds or 0.0 for c in choice.candidates}
     if choice.strategy != "vmap":  # The rule: another strategy only when clearly faster.
-        assert (
-            seconds[choice.strategy, choice.chunk_size] < _auto.AUTO_MARGIN * seconds["vmap", None]
-        )
+        picked = seconds[choice.strategy, choice.chunk_size]
+        assert picked < settings.AUTO_MARGIN * seconds["vmap", None]
 
 
 def test_timing_stops_a_candidate_that_cannot_win(monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_TIMING", True)
-    monkeypatch.setattr(_auto, "AUTO_TIME_BOX", math.inf)
-    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(settings, "AUTO_TIMING", True)
+    monkeypatch.setattr(settings, "AUTO_TIME_BOX", math.inf)
+    monkeypatch.setattr(settings, "AUTO_MIN_SECONDS", 0.0)
     # Every first timed call is "over 0x the fastest": no candidate is timed twice.
-    monkeypatch.setattr(_auto, "AUTO_GIVE_UP", 0.0)
+    monkeypatch.setattr(settings, "AUTO_GIVE_UP", 0.0)
     params, clients, _ = _case(n=20)
     with torch.no_grad():
         map_reduce(_loss, params, clients)
@@ -197,9 +198,9 @@ def test_timing_stops_a_candidate_that_cannot_win(monkeypatch):
 
 
 def test_timing_keeps_a_fast_vmap_without_trying_the_others(monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_TIMING", True)
-    monkeypatch.setattr(_auto, "AUTO_TIME_BOX", math.inf)
-    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", math.inf)  # Any vmap is "fast".
+    monkeypatch.setattr(settings, "AUTO_TIMING", True)
+    monkeypatch.setattr(settings, "AUTO_TIME_BOX", math.inf)
+    monkeypatch.setattr(settings, "AUTO_MIN_SECONDS", math.inf)  # Any vmap is "fast".
     params, clients, _ = _case(n=20)
     with torch.no_grad():
         map_reduce(_loss, params, clients)
@@ -211,9 +212,9 @@ def test_timing_keeps_a_fast_vmap_without_trying_the_others(monkeypatch):
 
 
 def test_timing_stays_within_the_time_box(monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_TIMING", True)
-    monkeypatch.setattr(_auto, "AUTO_TIME_BOX", 0.0)  # No time for a second candidate.
-    monkeypatch.setattr(_auto, "AUTO_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(settings, "AUTO_TIMING", True)
+    monkeypatch.setattr(settings, "AUTO_TIME_BOX", 0.0)  # No time for a second candidate.
+    monkeypatch.setattr(settings, "AUTO_MIN_SECONDS", 0.0)
     params, clients, _ = _case(n=20)
     before = bridge_mr.trace_counts()["map_reduce"]
     with torch.no_grad():
@@ -253,7 +254,7 @@ def test_a_memory_budget_rules_out_candidates():
 
 
 def test_auto_rules_out_a_candidate_needing_many_times_the_leanest_memory(monkeypatch):
-    monkeypatch.setattr(_auto, "AUTO_MEMORY_FLOOR", 0)
+    monkeypatch.setattr(settings, "AUTO_MEMORY_FLOOR", 0)
     # Each client makes a [512, 512] intermediate: vmap holds 32 of them, chunks of 16 hold 16.
     outer = lambda s, c: jnp.tanh(c[:, None] * s[None, :]).mean()
     gen = torch.Generator().manual_seed(5)
@@ -261,7 +262,7 @@ def test_auto_rules_out_a_candidate_needing_many_times_the_leanest_memory(monkey
     got = map_reduce(outer, server, clients)
     (choice,) = bridge_mr.map_reduce_choices()
     memory = {c.strategy: c.memory_bytes or 0 for c in choice.candidates}
-    assert choice.memory_budget_bytes == _auto.AUTO_MEMORY_FACTOR * memory["per_client"]
+    assert choice.memory_budget_bytes == settings.AUTO_MEMORY_FACTOR * memory["per_client"]
     assert memory["vmap"] > 16 * memory["per_client"]
     assert choice.strategy == "per_client"
     assert all(
@@ -290,7 +291,7 @@ def test_a_decision_is_read_back_from_disk_without_deciding_again(tmp_path, monk
     (first,) = bridge_mr.map_reduce_choices()
     bridge_mr.clear_caches()  # Forgets the choices in memory, not those on disk.
     assert _decision_files(tmp_path) == [kept]
-    monkeypatch.setattr(_auto, "_ruled_out", None)  # Deciding again would fail.
+    monkeypatch.setattr(_pick, "ruled_out", None)  # Deciding again would fail.
     map_reduce(_local_step, w, clients)
     (again,) = bridge_mr.map_reduce_choices()
     assert again.from_disk
@@ -363,7 +364,7 @@ def test_an_unwritable_cache_directory_never_fails_a_call(tmp_path, monkeypatch)
     with torch.no_grad():
         map_reduce(_loss, params, clients)
     assert bridge_mr.map_reduce_choices()[0].strategy == "vmap"
-    assert _decisions.forget_all() == 0
+    assert auto.forget_all() == 0
 
 
 def test_forget_all_deletes_the_decisions_on_disk(tmp_path):
@@ -371,16 +372,16 @@ def test_forget_all_deletes_the_decisions_on_disk(tmp_path):
     with torch.no_grad():
         map_reduce(_loss, params, clients)
     assert len(_decision_files(tmp_path)) == 1
-    assert _decisions.forget_all() == 1
+    assert auto.forget_all() == 1
     assert _decision_files(tmp_path) == []
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("BRIDGE_MR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _decisions.directory() == tmp_path / "xdg" / "bridge_mr" / "auto"
+    assert auto.directory() == tmp_path / "xdg" / "bridge_mr" / "auto"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert _decisions.directory() == tmp_path / "home" / ".cache" / "bridge_mr" / "auto"
+    assert auto.directory() == tmp_path / "home" / ".cache" / "bridge_mr" / "auto"
     monkeypatch.setenv("BRIDGE_MR_AUTO_DISK", "0")
-    assert _decisions.directory() is None
+    assert auto.directory() is None

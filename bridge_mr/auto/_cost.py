@@ -1,4 +1,4 @@
-"""What a traced program would cost, read from its jaxpr without compiling it (for `auto`).
+"""The cost model: what a traced program would cost, read from its jaxpr without compiling it.
 
 `cost(closed_jaxpr)` walks the program once, every sub-jaxpr included (loop bodies times their
 trip count), and returns a `Cost`: the floating-point work of its matrix products and
@@ -52,18 +52,18 @@ def cost(closed: core.ClosedJaxpr) -> Cost:
       Its `Cost`.
 
     Example:
-      >>> from bridge_mr.torch_api._cost import cost
+      >>> from bridge_mr.auto import cost
       >>> c = cost(jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((8, 4)), jnp.ones((4, 2))))
       >>> c.flops, c.peak_bytes  # 2*8*4*2; the two arguments and the [8, 2] result
       (128.0, 256)
     """
-    walk = _Walk()
+    walk = _CostWalk()
     args = sum(_bytes(v.aval) for v in (*closed.jaxpr.constvars, *closed.jaxpr.invars))
     extra = walk.peak(closed.jaxpr, 1.0)
     return Cost(walk.flops, args + extra, walk.groups, walk.whiles, int(walk.computed))
 
 
-class _Walk:
+class _CostWalk:
     """One pass over a jaxpr: the sums `cost` returns, and each jaxpr's peak."""
 
     def __init__(self) -> None:

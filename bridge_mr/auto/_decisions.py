@@ -21,15 +21,22 @@ directory, does.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import torch
+
 from bridge_mr import _caches
+from bridge_mr.typing import PyTree
+
+from . import settings
 
 #: The environment variable that turns the decisions on disk off ("0").
 DISK_SWITCH = "BRIDGE_MR_AUTO_DISK"
@@ -54,6 +61,37 @@ def name(parts: Mapping[str, Any]) -> str:
     """The file name of the decision that depends on `parts` (JSON-able values)."""
     text = json.dumps(dict(parts), sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest() + ".json"
+
+
+def fingerprint(
+    jaxpr: Any,
+    args: tuple[Any, ...],
+    specs: tuple[PyTree, ...],
+    tensors: Sequence[torch.Tensor],
+    budget: int | None,
+) -> dict[str, Any]:
+    """Everything a decision depends on (`settings` included), for its name on disk."""
+    _, _, _, _, reduce, placement, mesh = args
+    device = tensors[0].device
+    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {
+        "jaxpr": hashlib.sha256(str(jaxpr).encode()).hexdigest(),
+        "round": [reduce, placement, repr(mesh), jax.tree.map(repr, specs)],
+        "grads": [torch.is_grad_enabled() and t.requires_grad for t in tensors],
+        "budget": budget,
+        "device": [kind, jax.devices()[0].device_kind, os.cpu_count()],
+        "versions": [_version(p) for p in ("jax", "jaxlib", "torch", "bridge_mr")],
+        "config": [getattr(jax.config, n) for n in ("jax_enable_x64", "jax_numpy_dtype_promotion")],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "constants": settings.as_read_now(),
+    }
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def load(file_name: str) -> dict[str, Any] | None:

@@ -10,10 +10,12 @@ from typing import Any
 import jax
 import torch
 
-from ._cost import Cost
-from ._round import Measured, PyTree
+from bridge_mr.typing import PyTree, Strategy
 
-Plan = tuple[Measured, int | None]
+from ._cost import Cost
+
+#: A candidate of `auto`: a strategy and its chunk size (None but for "chunks").
+Option = tuple[Strategy, int | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,7 @@ class Candidate:
       chunk_size: the chunk size for "chunks", else None.
       memory_bytes: the estimated peak memory of the call's program (arguments, outputs and
         intermediates, each freed after its last use), read from its forward jaxpr without
-        compiling it (with gradients: scaled for the backward pass, see `_programs.round_cost`),
+        compiling it (with gradients: scaled for the backward pass, see `_reading.round_cost`),
         or None where it could not be traced.
       seconds: the median of the timed calls, or None when it was not timed (the default:
         only with `AUTO_TIMING` are candidates timed).
@@ -38,7 +40,7 @@ class Candidate:
         it could not be traced.
     """
 
-    strategy: Measured
+    strategy: Strategy
     chunk_size: int | None
     memory_bytes: int | None
     seconds: float | None
@@ -65,7 +67,7 @@ class Choice:
     """
 
     signature: str
-    strategy: Measured
+    strategy: Strategy
     chunk_size: int | None
     reason: str
     candidates: tuple[Candidate, ...]
@@ -75,21 +77,21 @@ class Choice:
 
 
 def candidates(
-    plans: list[Plan],
-    costs: dict[Plan, Cost | None],
-    skipped: dict[Plan, str],
-    times: dict[Plan, list[float]],
+    options: list[Option],
+    costs: dict[Option, Cost | None],
+    skipped: dict[Option, str],
+    times: dict[Option, list[float]],
 ) -> tuple[Candidate, ...]:
     found = []
-    for plan in plans:
-        c, timed = costs[plan], times.get(plan, [])
+    for option in options:
+        c, timed = costs[option], times.get(option, [])
         found.append(
             Candidate(
-                plan[0],
-                plan[1],
+                option[0],
+                option[1],
                 None if c is None else c.peak_bytes,
                 statistics.median(timed) if timed else None,
-                skipped.get(plan, ""),
+                skipped.get(option, ""),
                 len(timed),
                 None if c is None else c.flops,
             )
@@ -124,8 +126,8 @@ def from_record(record: dict[str, Any], signature: str) -> Choice | None:
         )
     except (KeyError, TypeError, ValueError):
         return None
-    plans = {(c.strategy, c.chunk_size) for c in candidates}
-    if (choice.strategy, choice.chunk_size) not in plans or choice.strategy not in (
+    options = {(c.strategy, c.chunk_size) for c in candidates}
+    if (choice.strategy, choice.chunk_size) not in options or choice.strategy not in (
         "vmap",
         "per_client",
         "chunks",

@@ -1,14 +1,11 @@
-"""What `auto` reads from a call without running it (shapes, the cost model's reading of each
-candidate's program, what a decision depends on), and how it runs one when timing."""
+"""What `auto` reads from a call without running it: its shapes, one client's slice, each
+candidate's program as the cost model reads it, the memory budget's default."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,32 +16,10 @@ from jax.sharding import AbstractMesh, Mesh
 
 from bridge_mr import distributed, jax_core
 from bridge_mr.dlpack import tensor_avals
+from bridge_mr.typing import PyTree
 
-from ._choice import Plan
 from ._cost import Cost, cost
-from ._round import PyTree
-
-
-def backward(out: PyTree, grads: Sequence[torch.Tensor]) -> None:
-    """The backward pass the caller would run, without touching any `.grad`."""
-    if not grads:
-        return
-    outputs = [o for o in jax.tree.leaves(out) if o.requires_grad]
-    if outputs:
-        torch.autograd.grad(
-            outputs, list(grads), [torch.ones_like(o) for o in outputs], allow_unused=True
-        )
-
-
-def timed(call: Callable[[], None], cuda: torch.device | None) -> float:
-    """Seconds one `call` takes (synchronising `cuda`, if any, before and after)."""
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
-    start = time.perf_counter()
-    call()
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
-    return time.perf_counter() - start
+from ._report import Option
 
 
 def specs(args: tuple[Any, ...], across_processes: bool) -> tuple[PyTree, PyTree, PyTree]:
@@ -99,7 +74,7 @@ def round_cost(
     program: Callable[..., PyTree],
     args: tuple[Any, ...],
     specs: tuple[PyTree, ...],
-    plan: Plan,
+    option: Option,
     grads: bool,
 ) -> Cost | None:
     """The cost model's reading of a candidate's program (None where it does not trace).
@@ -113,7 +88,7 @@ def round_cost(
     fn, _, _, _, reduce, placement, mesh = args
 
     def forward(server: PyTree, clients: PyTree, weights: PyTree) -> PyTree:
-        return program(fn, server, clients, weights, reduce, placement, mesh, *plan)
+        return program(fn, server, clients, weights, reduce, placement, mesh, *option)
 
     try:
         found = cost(jax.make_jaxpr(forward)(*specs))
@@ -121,44 +96,12 @@ def round_cost(
         return None
     if not grads:
         return found
-    looped = plan[0] != "vmap"
+    looped = option[0] != "vmap"
     return dataclasses.replace(
         found,
-        flops=found.flops * (4 if plan[0] == "per_client" else 3),
+        flops=found.flops * (4 if option[0] == "per_client" else 3),
         peak_bytes=found.peak_bytes + (found.peak_bytes if looped else found.computed_bytes),
     )
-
-
-def fingerprint(
-    jaxpr: Any,
-    args: tuple[Any, ...],
-    specs: tuple[PyTree, ...],
-    tensors: Sequence[torch.Tensor],
-    budget: int | None,
-    constants: Sequence[Any],
-) -> dict[str, Any]:
-    """Everything a decision depends on (`constants`: auto's tuning), for its name on disk."""
-    _, _, _, _, reduce, placement, mesh = args
-    device = tensors[0].device
-    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return {
-        "jaxpr": hashlib.sha256(str(jaxpr).encode()).hexdigest(),
-        "round": [reduce, placement, repr(mesh), jax.tree.map(repr, specs)],
-        "grads": [torch.is_grad_enabled() and t.requires_grad for t in tensors],
-        "budget": budget,
-        "device": [kind, jax.devices()[0].device_kind, os.cpu_count()],
-        "versions": [_version(p) for p in ("jax", "jaxlib", "torch", "bridge_mr")],
-        "config": [getattr(jax.config, n) for n in ("jax_enable_x64", "jax_numpy_dtype_promotion")],
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "constants": list(constants),
-    }
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def default_budget(device: torch.device) -> int:

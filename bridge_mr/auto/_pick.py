@@ -1,0 +1,135 @@
+"""How `auto` picks among its candidates: the memory budget, what the cost model rules out,
+its ranking, and the pick (modelled, or timed with `AUTO_TIMING`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _report, settings
+from ._cost import Cost
+from ._kind import RoundKind
+from ._reading import default_budget
+from ._report import Choice, Option
+
+_RULED_OUT_GROUPED = (
+    "ruled out: it would vmap the client's convolutions over per-client weights, a grouped "
+    "convolution (clients x channels), which XLA:CPU runs several times slower"
+)
+_OVER_BUDGET = "ruled out: over the memory budget"
+
+
+def memory_budget(
+    budget: int | None, costs: dict[Option, Cost | None], device: torch.device, kind: RoundKind
+) -> int:
+    """The memory budget: the caller's, else half the device's, at most `AUTO_MEMORY_FACTOR`
+    times the leanest candidate's estimate when vmap's is over `AUTO_MEMORY_FLOOR`."""
+    if budget is not None:
+        return budget
+    budget = kind.agree_budget(default_budget(device))
+    known = [c.peak_bytes for c in costs.values() if c is not None]
+    vmap = costs[("vmap", None)]
+    if vmap is not None and vmap.peak_bytes > settings.AUTO_MEMORY_FLOOR and known:
+        budget = min(
+            budget, max(settings.AUTO_MEMORY_FACTOR * min(known), settings.AUTO_MEMORY_FLOOR)
+        )
+    return budget
+
+
+def ruled_out(costs: dict[Option, Cost | None], budget: int, cpu: bool) -> dict[Option, str]:
+    """The candidates the cost model rules out, and why (a candidate it cannot read stays)."""
+    reference = costs.get(("per_client", None))
+    out: dict[Option, str] = {}
+    for option, found in costs.items():
+        if found is None:
+            continue
+        batched = option[0] != "per_client"
+        if cpu and batched and reference is not None and found.conv_groups > reference.conv_groups:
+            out[option] = _RULED_OUT_GROUPED
+        elif found.peak_bytes > budget:
+            out[option] = _OVER_BUDGET
+    return out
+
+
+def ranked(options: list[Option], costs: dict[Option, Cost | None]) -> list[Option]:
+    """`options` in `auto`'s preference (vmap, larger chunks, per_client), the cost model's
+    favourite first: the first that needs fewer than `AUTO_MARGIN` times the operations of
+    every one preferred to it."""
+    order = sorted(options, key=lambda p: (p[0] == "per_client", -(p[1] or math.inf)))
+    if not order:
+        return order
+    best = order[0]
+    for option in order[1:]:
+        mine, theirs = costs[option], costs[best]
+        if (
+            mine is not None
+            and theirs is not None
+            and mine.flops < settings.AUTO_MARGIN * theirs.flops
+        ):
+            best = option
+    return [best, *(p for p in order if p != best)]
+
+
+def pick_modelled(
+    options: list[Option],
+    costs: dict[Option, Cost | None],
+    ranked: list[Option],
+    skipped: dict[Option, str],
+    budget: int,
+) -> Choice:
+    """The cost model's favourite, untimed (or the leanest, when all are over the budget)."""
+    if not ranked:
+        return leanest(options, costs, skipped, budget)
+    best = ranked[0]
+    for option in ranked[1:]:
+        skipped[option] = f"not timed: the cost model prefers {_report.label(*best)}"
+    if len(ranked) == 1:
+        reason = "the only candidate the cost model did not rule out"
+    elif best[0] == "vmap":
+        reason = (
+            f"the cost model: no candidate needs {1 - settings.AUTO_MARGIN:.0%} fewer operations"
+        )
+    else:
+        reason = (
+            f"the cost model: it needs {1 - settings.AUTO_MARGIN:.0%} fewer operations than those "
+            "preferred to it"
+        )
+    candidates = _report.candidates(options, costs, skipped, {})
+    return Choice("", best[0], best[1], reason, candidates, budget, 0.0)
+
+
+def leanest(
+    options: list[Option], costs: dict[Option, Cost | None], skipped: dict[Option, str], budget: int
+) -> Choice:
+    """Every candidate ruled out: the one needing the least memory."""
+    best = min(options, key=lambda p: math.inf if costs[p] is None else costs[p].peak_bytes)  # type: ignore[union-attr]
+    reason = "every candidate is over the memory budget: the one needing the least memory"
+    if any(s == _RULED_OUT_GROUPED for s in skipped.values()):
+        reason = "every candidate is ruled out: the one needing the least memory"
+    candidates = _report.candidates(options, costs, skipped, {})
+    return Choice("", best[0], best[1], reason, candidates, budget, 0.0)
+
+
+def pick_timed(
+    options: list[Option],
+    costs: dict[Option, Cost | None],
+    times: dict[Option, list[float]],
+    skipped: dict[Option, str],
+    budget: int,
+) -> Choice:
+    """The fastest timed candidate; vmap unless another is clearly (`AUTO_MARGIN`) faster."""
+    candidates = _report.candidates(options, costs, skipped, times)
+    timed = [c for c in candidates if c.seconds is not None]
+    best = min(timed, key=lambda c: c.seconds or 0.0)
+    vmap = next((c for c in timed if c.strategy == "vmap"), None)
+    if vmap is None:
+        reason = "the fastest of those timed (vmap was ruled out)"
+    elif best is vmap:
+        reason = "the fastest"
+    elif (best.seconds or 0.0) < settings.AUTO_MARGIN * (vmap.seconds or 0.0):
+        reason = f"faster than vmap by more than {1 - settings.AUTO_MARGIN:.0%}"
+    else:
+        best = vmap
+        reason = f"no candidate beats vmap by more than {1 - settings.AUTO_MARGIN:.0%}"
+    return Choice("", best.strategy, best.chunk_size, reason, candidates, budget, 0.0)

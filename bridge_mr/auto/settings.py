@@ -1,0 +1,46 @@
+"""The tuning of `map_reduce(strategy="auto")`, read at each decision.
+
+Set them in code, before the calls they should govern (a decision already made, in memory or
+on disk, stays; a changed setting changes the name of the decision kept on disk):
+
+    import bridge_mr.auto.settings as auto_settings
+
+    auto_settings.AUTO_TIMING = True  # time the candidates the cost model leaves
+
+`BRIDGE_MR_AUTO_DISK=0` (read at each decision) keeps decisions in memory only.
+"""
+
+from __future__ import annotations
+
+#: The chunk sizes `auto` considers (those below the number of clients).
+AUTO_CHUNK_SIZES: tuple[int, ...] = (16, 128)
+#: A candidate replaces one `auto` prefers (vmap, then larger chunks, then per_client) only
+#: when its operation count (or, timed, its median time) is below this fraction of that one's.
+AUTO_MARGIN = 0.9
+#: Without `memory_budget_bytes`, a candidate estimated to need over this many times the
+#: leanest candidate's memory, and over `AUTO_MEMORY_FLOOR` bytes, is ruled out (vmap of a CNN
+#: round at 50 clients: 4x the torch loop's memory).
+AUTO_MEMORY_FACTOR = 4
+AUTO_MEMORY_FLOOR = 1 << 30
+#: Time the candidates the cost model leaves, rather than take its favourite. Each timed
+#: candidate is compiled and run (its program kept) a few times, which costs about one first
+#: call each: measuring on a first call what the cost model cannot see.
+AUTO_TIMING = False
+#: When timing: a candidate after the first is tried only while what timing spent beyond the
+#: first candidate's first call, plus one more such call, stays under this fraction of it.
+AUTO_TIME_BOX = 0.5
+#: When timing: calls per candidate after its first (which traces and compiles).
+AUTO_REPEATS = 3
+#: When timing: a candidate whose first timed call takes over this multiple of the fastest
+#: first timed call is not timed again: it cannot win.
+AUTO_GIVE_UP = 2.0
+#: When timing: a vmap whose timed call takes less (seconds) is kept without trying the others.
+AUTO_MIN_SECONDS = 0.005
+
+
+def as_read_now() -> list[object]:
+    """Every setting, as read now (a decision depends on them: its name on disk holds them)."""
+    return [
+        AUTO_CHUNK_SIZES, AUTO_MARGIN, AUTO_MEMORY_FACTOR, AUTO_MEMORY_FLOOR, AUTO_TIMING,
+        AUTO_TIME_BOX, AUTO_REPEATS, AUTO_GIVE_UP, AUTO_MIN_SECONDS,
+    ]  # fmt: skip
