@@ -36,6 +36,9 @@ alike):
 * No import cycles: no two modules import each other, directly or through others.
 * Nothing imports `bridge_mr.demo` but the demo itself (and its tests): it is a leaf.
 
+And no test outside tests/benchmarks/ imports the benchmarks (`benchmarks.*`, or their loader
+`helpers.bench`).
+
 "Loads when imported" is checked in a fresh interpreter per layer. A subpackage (but the demo)
 is imported under a stand-in for the `bridge_mr` package (its real directory, without running
 `bridge_mr/__init__.py`), so what the top level imports does not count against it.
@@ -369,6 +372,47 @@ def test_benchmarks_and_examples_use_public_names_only(folder: str) -> None:
             elif problem := _privacy_problem(imp, public_only=True):
                 problems.append(problem)
     assert not problems, "\n".join(dict.fromkeys(problems))  # One line per import statement.
+
+
+#: The loader of the benchmarks for their tests (tests/helpers/bench.py).
+BENCH_LOADER = "helpers.bench"
+
+
+def _benchmark_imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, name) of each way the file reaches the benchmarks: an import of `benchmarks`, an
+    `import_module` / `__import__` of it by name, or the loader `helpers.bench`."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else None
+            called = node.func.id if isinstance(node.func, ast.Name) else called
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        for name in names:
+            if name.split(".")[0] == "benchmarks" or f"{name}.".startswith(f"{BENCH_LOADER}."):
+                yield node.lineno, name
+
+
+def test_no_test_outside_tests_benchmarks_imports_the_benchmarks() -> None:
+    """The library's tests stand without the benchmarks (which may import the tests' helpers,
+    `helpers.zoo`, never the other way round); only tests/benchmarks/ loads them."""
+    tests = ROOT / "tests"
+    own = tests / "benchmarks"
+    found = {path: list(_benchmark_imports(path)) for path in sorted(tests.rglob("*.py"))}
+    assert any(found[path] for path in found if own in path.parents), "the check finds nothing"
+    problems = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path, hits in found.items()
+        if own not in path.parents and path != tests / "helpers" / "bench.py"
+        for line, name in hits
+    ]
+    assert not problems, "tests outside tests/benchmarks/ import the benchmarks:\n" + "\n".join(
+        problems
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,39 @@
+"""The studies without a test of their own run on a tiny input and print their tables
+(`bench_flags`: test_bench_flags.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.bench import benchmark
+
+
+@pytest.mark.slow
+def test_bench_cnn_options_checks_and_times_each_variant(capsys: pytest.CaptureFixture) -> None:
+    study = benchmark("studies.bench_cnn_options")
+    status = study.main(["--clients", "2", "--reps", "2", "--variants", "per_client", "pair"])
+    assert status == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| per_client |", "| pair |"))]
+    assert len(rows) == 2, out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result["seconds"]) == {"per_client", "pair"}
+    assert all(len(s) == 2 and min(s) > 0 for s in result["seconds"].values())
+    assert result["difference"]["per_client"] == 0.0
+    assert result["difference"]["pair"] < 1e-4  # The same round, two clients per scan step.
+
+
+def test_bench_zoo_times_a_model_against_torch_eager(capsys: pytest.CaptureFixture) -> None:
+    study = benchmark("studies.bench_zoo")
+    assert study.main(["--rounds", "2", "cnn_groupnorm"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| `cnn_groupnorm` |")]
+    assert len(row) == 1, out
+    cells = [cell.strip() for cell in row[0].strip("|").split("|")]
+    assert all(float(cell) > 0 for cell in cells[1:5]), row
+
+
+def test_bench_zoo_refuses_an_unknown_model() -> None:
+    with pytest.raises(SystemExit):
+        benchmark("studies.bench_zoo").main(["no_such_model"])
