@@ -2,8 +2,8 @@
 
 The torch `map_reduce` asks `choose` on a first call of a signature; everything `auto` does to
 answer lives here, below the torch frontend: the cost model (`cost`: FLOPs, peak bytes and
-convolution groups read from a jaxpr), the pick, the optional timing, and the decisions kept
-on disk. Its tuning is public in `bridge_mr.auto.settings`; `map_reduce_choices()` (also
+convolution groups read from a jaxpr), the device's description (`describe_device`: an input
+of the rules, CPU or GPU), the pick, the optional timing, and the decisions kept on disk. Its tuning is public in `bridge_mr.auto.settings`; `map_reduce_choices()` (also
 `bridge_mr.map_reduce_choices`) lists what it picked and why.
 """
 
@@ -14,6 +14,8 @@ from ._choose import map_reduce_choices as map_reduce_choices
 from ._cost import Cost as Cost
 from ._cost import cost as cost
 from ._decisions import DISK_SWITCH as DISK_SWITCH
+from ._device import DeviceDescription as DeviceDescription
+from ._device import describe as describe_device
 from ._decisions import directory as directory
 from ._decisions import forget_all as forget_all
 from ._kind import RoundKind as RoundKind
@@ -26,9 +28,11 @@ __all__ = [
     "Candidate",
     "Choice",
     "Cost",
+    "DeviceDescription",
     "RoundKind",
     "choose",
     "cost",
+    "describe_device",
     "directory",
     "forget_all",
     "forget_choices",

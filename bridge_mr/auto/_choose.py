@@ -28,7 +28,7 @@ import torch
 from bridge_mr import _caches
 from bridge_mr._compat import torch as torch_compat
 
-from . import _decisions, _pick, _reading, _report, settings
+from . import _decisions, _device, _pick, _reading, _report, settings
 from ._kind import RoundKind
 from ._report import Choice, Option
 from ._timing import time_candidates
@@ -133,9 +133,11 @@ def _decide(
         client = kind.trace_client(fn, *_reading.one_client(specs), placement, rows)
     except Exception:  # The call raises again, with the bridge's message.
         return None
+    device = _device.describe(tensors[0].device)
     disk = None
     if not kind.across_processes:
-        disk = _decisions.name(_decisions.fingerprint(client.jaxpr, args, specs, tensors, budget))
+        found = _decisions.fingerprint(client.jaxpr, args, specs, tensors, budget, device)
+        disk = _decisions.name(found)
         record = _decisions.load(disk)
         choice = _report.from_record(record, signature) if record is not None else None
         if choice is not None:
@@ -149,8 +151,8 @@ def _decide(
         chunks: list[Option] = [("chunks", k) for k in settings.AUTO_CHUNK_SIZES if k < n]
         options += [("per_client", None), *chunks]
     costs = {o: _reading.round_cost(kind.program, args, specs, o, bool(grads)) for o in options}
-    budget = _pick.memory_budget(budget, costs, tensors[0].device, kind)
-    skipped = _pick.ruled_out(costs, budget, tensors[0].device.type == "cpu")
+    budget = _pick.memory_budget(budget, costs, device, kind)
+    skipped = _pick.ruled_out(costs, budget, device)
     ranked = _pick.ranked([o for o in options if o not in skipped], costs)
     if settings.AUTO_TIMING and len(ranked) > 1:
         times, not_timed = time_candidates(args, ranked, grads, kind, tensors)

@@ -20,6 +20,7 @@ directory, does.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -37,6 +38,7 @@ from bridge_mr import _caches
 from bridge_mr.typing import PyTree
 
 from . import settings
+from ._device import DeviceDescription
 
 #: The environment variable that turns the decisions on disk off ("0").
 DISK_SWITCH = "BRIDGE_MR_AUTO_DISK"
@@ -69,17 +71,17 @@ def fingerprint(
     specs: tuple[PyTree, ...],
     tensors: Sequence[torch.Tensor],
     budget: int | None,
+    device: DeviceDescription,
 ) -> dict[str, Any]:
-    """Everything a decision depends on (`settings` included), for its name on disk."""
+    """Everything a decision depends on (`settings` and the device included), for its name on
+    disk."""
     _, _, _, _, reduce, placement, mesh = args
-    device = tensors[0].device
-    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return {
         "jaxpr": hashlib.sha256(str(jaxpr).encode()).hexdigest(),
         "round": [reduce, placement, repr(mesh), jax.tree.map(repr, specs)],
         "grads": [torch.is_grad_enabled() and t.requires_grad for t in tensors],
         "budget": budget,
-        "device": [kind, jax.devices()[0].device_kind, os.cpu_count()],
+        "device": [dataclasses.astuple(device), jax.devices()[0].device_kind, os.cpu_count()],
         "versions": [_version(p) for p in ("jax", "jaxlib", "torch", "bridge_mr")],
         "config": [getattr(jax.config, n) for n in ("jax_enable_x64", "jax_numpy_dtype_promotion")],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),

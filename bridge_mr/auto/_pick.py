@@ -5,29 +5,38 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from . import _report, settings
 from ._cost import Cost
+from ._device import DeviceDescription
 from ._kind import RoundKind
-from ._reading import default_budget
 from ._report import Choice, Option
 
 _RULED_OUT_GROUPED = (
     "ruled out: it would vmap the client's convolutions over per-client weights, a grouped "
     "convolution (clients x channels), which XLA:CPU runs several times slower"
 )
+_RULED_OUT_GROUPED_GPU = (
+    "ruled out: it would vmap the client's convolutions over per-client weights into "
+    "convolutions of more groups than AUTO_GPU_MAX_CONV_GROUPS, which a GPU runs slower per "
+    "client than smaller chunks"
+)
 _OVER_BUDGET = "ruled out: over the memory budget"
 
 
 def memory_budget(
-    budget: int | None, costs: dict[Option, Cost | None], device: torch.device, kind: RoundKind
+    budget: int | None,
+    costs: dict[Option, Cost | None],
+    device: DeviceDescription,
+    kind: RoundKind,
 ) -> int:
-    """The memory budget: the caller's, else half the device's, at most `AUTO_MEMORY_FACTOR`
-    times the leanest candidate's estimate when vmap's is over `AUTO_MEMORY_FLOOR`."""
+    """The memory budget: the caller's, else half the device's; on CPU at most
+    `AUTO_MEMORY_FACTOR` times the leanest candidate's estimate when vmap's is over
+    `AUTO_MEMORY_FLOOR`."""
     if budget is not None:
         return budget
-    budget = kind.agree_budget(default_budget(device))
+    budget = kind.agree_budget(device.memory_bytes // 2)
+    if device.accelerator:
+        return budget
     known = [c.peak_bytes for c in costs.values() if c is not None]
     vmap = costs[("vmap", None)]
     if vmap is not None and vmap.peak_bytes > settings.AUTO_MEMORY_FLOOR and known:
@@ -37,16 +46,26 @@ def memory_budget(
     return budget
 
 
-def ruled_out(costs: dict[Option, Cost | None], budget: int, cpu: bool) -> dict[Option, str]:
-    """The candidates the cost model rules out, and why (a candidate it cannot read stays)."""
+def ruled_out(
+    costs: dict[Option, Cost | None], budget: int, device: DeviceDescription
+) -> dict[Option, str]:
+    """The candidates the cost model rules out on `device`, and why (a candidate it cannot
+    read stays): those over the budget, and batched ones whose convolutions vmap groups over
+    per-client weights (on CPU any such grouping; on a GPU beyond `AUTO_GPU_MAX_CONV_GROUPS`)."""
     reference = costs.get(("per_client", None))
     out: dict[Option, str] = {}
     for option, found in costs.items():
         if found is None:
             continue
-        batched = option[0] != "per_client"
-        if cpu and batched and reference is not None and found.conv_groups > reference.conv_groups:
+        grouped = (
+            option[0] != "per_client"
+            and reference is not None
+            and found.conv_groups > reference.conv_groups
+        )
+        if grouped and not device.accelerator:
             out[option] = _RULED_OUT_GROUPED
+        elif grouped and found.conv_groups > settings.AUTO_GPU_MAX_CONV_GROUPS:
+            out[option] = _RULED_OUT_GROUPED_GPU
         elif found.peak_bytes > budget:
             out[option] = _OVER_BUDGET
     return out
@@ -105,7 +124,7 @@ def leanest(
     """Every candidate ruled out: the one needing the least memory."""
     best = min(options, key=lambda p: math.inf if costs[p] is None else costs[p].peak_bytes)  # type: ignore[union-attr]
     reason = "every candidate is over the memory budget: the one needing the least memory"
-    if any(s == _RULED_OUT_GROUPED for s in skipped.values()):
+    if any(s in (_RULED_OUT_GROUPED, _RULED_OUT_GROUPED_GPU) for s in skipped.values()):
         reason = "every candidate is ruled out: the one needing the least memory"
     candidates = _report.candidates(options, costs, skipped, {})
     return Choice("", best[0], best[1], reason, candidates, budget, 0.0)

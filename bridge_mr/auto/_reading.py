@@ -1,10 +1,9 @@
-"""What `auto` reads from a call without running it: its shapes, one client's slice, each
-candidate's program as the cost model reads it, the memory budget's default."""
+"""What `auto` reads from a call without running it: its shapes, one client's slice, and each
+candidate's program as the cost model reads it."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -102,13 +101,6 @@ def round_cost(
         flops=found.flops * (4 if option[0] == "per_client" else 3),
         peak_bytes=found.peak_bytes + (found.peak_bytes if looped else found.computed_bytes),
     )
-
-
-def default_budget(device: torch.device) -> int:
-    """Half the device's memory limit (CUDA), or half the host's physical memory (CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory // 2
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def client_count(clients: PyTree) -> int:

@@ -1,0 +1,126 @@
+"""The device is an input of auto's rules: checked on CPU with a GPU's description (an H200's).
+
+Nothing runs but tracing: `auto.choose` reads each candidate's program from its jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+from jax import lax
+
+from bridge_mr import auto, jax_core
+from bridge_mr.auto import _device, settings
+
+H200 = auto.DeviceDescription("gpu", "NVIDIA H200", 150_000_000_000)
+SMALL_CPU = auto.DeviceDescription("cpu", "cpu", 64 * 2**30)
+_keys = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+    jaxpr: Any
+
+
+def _program(fn, server, clients, weights, reduce, placement, mesh, strategy="vmap", chunk=None):
+    return jax_core.map_reduce(
+        fn, server, clients, reduce=reduce, weights=weights, placement=placement, mesh=mesh,
+        strategy=strategy, chunk_size=chunk,
+    )  # fmt: skip
+
+
+def _trace(fn, server, client, placement, n):
+    with jax_core.program(placements={placement: n}):
+        return _Trace(jax.make_jaxpr(fn)(server, client))
+
+
+def _never(*args):
+    raise AssertionError("auto ran a candidate: only the cost model should decide here")
+
+
+KIND = auto.RoundKind(_never, _program, _trace, auto.same, auto.same)
+
+
+def _local_conv_steps(w: jax.Array, client: dict[str, jax.Array]) -> jax.Array:
+    """Local SGD steps on a convolution: after the first step the weights are per client."""
+
+    def step(w: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+        def loss(w: jax.Array) -> jax.Array:
+            return jnp.mean(lax.conv_general_dilated(x, w, (1, 1), "SAME") ** 2)
+
+        return w - 0.1 * jax.grad(loss)(w), None
+
+    return lax.scan(step, w, client["x"])[0] - w
+
+
+def _mlp(params: dict[str, jax.Array], client: dict[str, jax.Array]) -> jax.Array:
+    hidden = jnp.tanh(client["x"] @ params["w1"])
+    return jnp.mean((hidden @ params["w2"]) ** 2)
+
+
+def _choose(fn, server, clients, device, monkeypatch) -> tuple[str, int | None]:
+    monkeypatch.setattr(_device, "describe", lambda _: device)
+    tensors = [*jax.tree.leaves(server), *jax.tree.leaves(clients)]
+    args = (fn, server, clients, None, "mean", "clients", None)
+    return auto.choose(("test_device", next(_keys)), tensors, args, None, KIND)
+
+
+@pytest.fixture(autouse=True)
+def _no_disk(monkeypatch):
+    monkeypatch.setenv(auto.DISK_SWITCH, "0")
+
+
+def _cnn(n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return torch.zeros(4, 3, 3, 3), {"x": torch.zeros(n, 2, 2, 3, 8, 8)}
+
+
+@pytest.mark.parametrize(
+    ("clients", "expected", "ruled_out"),
+    [(50, ("vmap", None), set()), (500, ("chunks", 16), {("vmap", None), ("chunks", 128)})],
+    ids=["50", "500"],
+)
+def test_a_gpu_keeps_vmaps_grouped_convolutions_up_to_its_bound(
+    clients, expected, ruled_out, monkeypatch
+):
+    # vmap groups the convolutions by client (50, 500 groups), chunks of K by K.
+    assert _choose(_local_conv_steps, *_cnn(clients), H200, monkeypatch) == expected
+    choice = auto.map_reduce_choices()[-1]
+    ruled = {(c.strategy, c.chunk_size) for c in choice.candidates if "ruled out" in c.skipped}
+    assert ruled == ruled_out
+    by_option = {(c.strategy, c.chunk_size): c for c in choice.candidates}
+    assert all("AUTO_GPU_MAX_CONV_GROUPS" in by_option[o].skipped for o in ruled_out)
+
+
+@pytest.mark.parametrize("clients", [50, 500])
+def test_a_cpu_rules_out_every_grouped_convolution(clients, monkeypatch):
+    assert _choose(_local_conv_steps, *_cnn(clients), SMALL_CPU, monkeypatch) == (
+        "per_client",
+        None,
+    )
+
+
+def test_a_gpus_budget_is_half_its_memory_where_a_cpu_holds_vmap_to_the_leanest(monkeypatch):
+    monkeypatch.setattr(settings, "AUTO_MEMORY_FLOOR", 0)
+    params = {"w1": torch.zeros(64, 256), "w2": torch.zeros(256, 64)}
+    clients = {"x": torch.zeros(128, 32, 64)}
+    assert _choose(_mlp, params, clients, SMALL_CPU, monkeypatch) != ("vmap", None)
+    on_cpu = auto.map_reduce_choices()[-1]
+    assert on_cpu.memory_budget_bytes < SMALL_CPU.memory_bytes // 2  # the leanest's multiple
+    assert _choose(_mlp, params, clients, H200, monkeypatch) == ("vmap", None)
+    assert auto.map_reduce_choices()[-1].memory_budget_bytes == H200.memory_bytes // 2
+
+
+def test_the_device_is_part_of_a_decisions_name_on_disk(monkeypatch):
+    monkeypatch.setenv(auto.DISK_SWITCH, "1")
+    before = set(auto.directory().glob("*.json")) if auto.directory().is_dir() else set()
+    server, clients = _cnn(50)
+    for device in (SMALL_CPU, H200):
+        auto.forget_choices()
+        _choose(_local_conv_steps, server, clients, device, monkeypatch)
+    assert len(set(auto.directory().glob("*.json")) - before) == 2
