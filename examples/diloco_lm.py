@@ -1,7 +1,7 @@
 """DiLoCo on a character-level transformer LM written in torch, trained on Python's own stdlib.
 
     OMP_NUM_THREADS=1 python examples/diloco_lm.py --quick   # about 3 minutes on 2 CPU cores
-    OMP_NUM_THREADS=1 python examples/diloco_lm.py           # the full run (README: times)
+    OMP_NUM_THREADS=1 python examples/diloco_lm.py           # the full run (docs/demo.md: times)
 
 (OMP_NUM_THREADS=1: on a busy machine eager torch's two intra-op threads wait on each other;
 the single-replica baseline's 100 quick steps took 117 s with them and 5 s without.)

@@ -155,7 +155,7 @@ def _notes(model: str, cfg: workloads.RoundConfig, clients: tuple[int, ...]) -> 
     notes = [
         f"{cfg.params()['n_params']:,} parameters (float32). bridge_mr: `map_reduce` with the "
         "local steps under `lax.scan(unroll=True)`; bridge_mr_rolled: the same with a rolled "
-        "scan (as the README writes it); xla_per_client: one jitted single-client program "
+        "scan (as docs/algorithms.md writes it); xla_per_client: one jitted single-client program "
         "(update + accumulation into the delta sum) called per client from Python; drjax: "
         "the same client function, one jit; torch_vmap: torch.func.vmap of grad of "
         "functional_call; torch_loop: nn.Module + torch.optim.SGD, a loop over clients."

@@ -2,7 +2,7 @@
 
     python -m benchmarks.studies.bench_cnn_options [--clients N] [--reps N] [--variants NAME ...]
 
-The program is the README's CNN round (`workloads.users`, "cnn": pfl-research's simple_cnn
+The program is the documented CNN round (`workloads.users`, "cnn": pfl-research's simple_cnn
 written in torch, `from_torch` + `algorithms.local_training(optax.sgd)`) as
 `jax_core.map_reduce(..., strategy="per_client")`, the program bridge_mr runs for it. Each
 variant compiles that round (or a restructured one) with compiler options on top of the ones

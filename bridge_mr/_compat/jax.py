@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Hashable
+import operator
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ __all__ = [
     "fresh_handle",
     "legacy_mesh",
     "shardy_partitioner",
-    "single_device",
+    "single_devices",
     "trace_context",
     "x64_enabled",
 ]
@@ -47,14 +48,12 @@ _X64 = _config.enable_x64
 _DEFAULT_DEVICE = _config.default_device
 
 
-def trace_context() -> Hashable:
-    """What of JAX's configuration a trace depends on (x64, promotion, precision, mesh, ...).
-
-    `jax.jit` keys its own trace cache with this value, so a cache keyed with it never reuses a
-    trace that jit would redo after a `jax.config.update` or a config context manager.
-    `jax._src.config.trace_context`; jax 0.10.2.
-    """
-    return _config.trace_context()
+#: What of JAX's configuration a trace depends on (x64, promotion, precision, mesh, ...):
+#: `jax.jit` keys its own trace cache with this value, so a cache keyed with it never reuses a
+#: trace that jit would redo after a `jax.config.update` or a config context manager.
+#: `jax._src.config.trace_context` itself (no wrapper: it is read on every torch call);
+#: jax 0.10.2.
+trace_context: Callable[[], Hashable] = _config.trace_context
 
 
 def concrete_mesh() -> Mesh | None:
@@ -102,34 +101,34 @@ def x64_enabled() -> bool:
     return bool(_X64.value)
 
 
-def default_device() -> Any:
-    """The `jax.default_device` in effect here: a Device, a platform name, or None.
+#: The `jax.default_device` in effect here: a Device, a platform name, or None.
+#: `jax._src.config.default_device.value`, read by a C accessor (no Python frame on the hot
+#: path); jax 0.10.2.
+default_device: Callable[[], Any] = functools.partial(operator.attrgetter("value"), _DEFAULT_DEVICE)
 
-    `jax._src.config.default_device.value`; jax 0.10.2.
+#: An object that stays the same until `jax.extend.backend.clear_backends()` is called: the
+#: identity of `jax._src.xla_bridge._backends`, which `clear_backends` rebinds to a new dict
+#: (caches of devices compare it with `is`). Read by a C accessor; jax 0.10.2.
+backends_generation: Callable[[], object] = functools.partial(
+    operator.attrgetter("_backends"), _xla_bridge
+)
+
+
+def single_devices(arrays: Sequence[Any]) -> list[Any]:
+    """The device of each committed single-device `ArrayImpl`, None for anything else.
+
+    Reads `SingleDeviceSharding._device`, which the public `device_set` builds a set for; for
+    all of a call's outputs in one call. jax 0.10.2.
     """
-    return _DEFAULT_DEVICE.value
-
-
-def backends_generation() -> object:
-    """An object that stays the same until `jax.extend.backend.clear_backends()` is called.
-
-    The identity of `jax._src.xla_bridge._backends`, which `clear_backends` rebinds to a new
-    dict: caches of devices compare it with `is`. jax 0.10.2.
-    """
-    return _xla_bridge._backends
-
-
-def single_device(array: Any) -> Any:
-    """The device of a committed single-device `ArrayImpl`, or None for anything else.
-
-    Reads `SingleDeviceSharding._device`, which the public `device_set` builds a set for;
-    jax 0.10.2.
-    """
-    if type(array) is ArrayImpl:
-        sharding = array.sharding
-        if type(sharding) is SingleDeviceSharding:
-            return sharding._device
-    return None
+    devices = []
+    for array in arrays:
+        device = None
+        if type(array) is ArrayImpl:
+            sharding = array.sharding
+            if type(sharding) is SingleDeviceSharding:
+                device = sharding._device
+        devices.append(device)
+    return devices
 
 
 def fresh_handle(array: jax.Array) -> jax.Array:

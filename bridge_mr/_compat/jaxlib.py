@@ -8,6 +8,7 @@ importing this module on an older jaxlib raises ImportError. Imports jax (jaxlib
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jaxlib._jax as _jax
@@ -53,19 +54,10 @@ def capsule_to_array(capsule: Any, device: Any, stream: int | None, dl_device_ty
     return _to_buffer(capsule, device, stream, None, dl_device_type)
 
 
-def array_to_capsule(array: Any, stream: int | None) -> Any:
-    """A DLPack capsule sharing a single-device `jax.Array`'s buffer.
-
-    `jaxlib._jax.buffer_to_dlpack_managed_tensor`, what `jax.Array.__dlpack__` calls.
-    The capsule holds `array` itself: calling `array.delete()` while the capsule's tensor lives
-    aborts the process (a jaxlib CHECK), so export a fresh handle (`fresh_handle`) of any array
-    someone else may delete. jaxlib 0.10.2.
-
-    Args:
-      array: a single-device `jax.Array`.
-      stream: the consumer's CUDA stream to order after the array's producer, or None (CPU).
-
-    Returns:
-      A DLPack capsule.
-    """
-    return _to_capsule(array, stream=stream)
+#: A DLPack capsule sharing a single-device `jax.Array`'s buffer: `(array, stream)`, where
+#: `stream` is the consumer's CUDA stream to order after the array's producer, or None (CPU).
+#: `jaxlib._jax.buffer_to_dlpack_managed_tensor` itself, what `jax.Array.__dlpack__` calls (no
+#: wrapper: it runs once per output of every call). The capsule holds `array` itself: calling
+#: `array.delete()` while the capsule's tensor lives aborts the process (a jaxlib CHECK), so
+#: export a fresh handle (`fresh_handle`) of any array someone else may delete. jaxlib 0.10.2.
+array_to_capsule: Callable[[Any, int | None], Any] = _to_capsule

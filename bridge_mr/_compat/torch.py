@@ -6,7 +6,8 @@ Imports torch only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -26,7 +27,7 @@ __all__ = [
     "is_functional_tensor",
     "is_op_overload",
     "tensor_from_capsule",
-    "versions",
+    "version_of",
 ]
 
 _Tensor = torch.Tensor
@@ -103,12 +104,9 @@ def graph_break(msg: str) -> None:
     torch._dynamo.graph_break(msg=msg)
 
 
-def versions(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Each tensor's version counter (`Tensor._version`), which in-place writes bump.
-
-    torch 2.9 - 2.13.
-    """
-    return [tensor._version for tensor in tensors]
+#: A tensor's version counter (`Tensor._version`), which in-place writes bump, read by a C
+#: accessor (`list(map(version_of, tensors))`: no Python frame per call). torch 2.9 - 2.13.
+version_of: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
 def forward_ad_active() -> bool:
@@ -127,7 +125,8 @@ def autograd_apply(function_cls: type[torch.autograd.Function]) -> Callable[...,
     every call (for a class with `setup_context`), then, with no functorch transform active,
     unwraps dead functorch wrappers (tensors that escaped a finished `torch.func` transform)
     and calls the C++ `torch._C._FunctionBase.apply`. The returned callable does the last two
-    steps only: it takes positional arguments alone, and unwraps each tensor argument with
+    steps only: it takes positional arguments alone (one argument of any type, then tensors
+    only, as `JaxCall` takes a call and its tensors), and unwraps each tensor argument with
     `torch._C._functorch.unwrap_if_dead` (a no-op for ordinary tensors), as Python's apply
     does. While a transform is active it calls `function_cls.apply`, which dispatches to
     torch's `custom_function_call`. torch 2.9 - 2.13.
@@ -136,7 +135,8 @@ def autograd_apply(function_cls: type[torch.autograd.Function]) -> Callable[...,
       function_cls: a `torch.autograd.Function` subclass.
 
     Returns:
-      A callable taking `function_cls.forward`'s arguments (without `ctx`), positionally.
+      A callable taking `function_cls.forward`'s arguments (without `ctx`), positionally: any
+      first argument, then tensors.
 
     Raises:
       TypeError: `function_cls` is not a `torch.autograd.Function` subclass.
@@ -153,10 +153,12 @@ def autograd_apply(function_cls: type[torch.autograd.Function]) -> Callable[...,
     tensor = _Tensor
     active = functorch_transforms_active
 
-    def apply(*args: Any) -> Any:
+    def apply(first: Any, *tensors: torch.Tensor) -> Any:
         if active():
-            return python_apply(*args)
-        return c_apply(*[unwrap(arg) if isinstance(arg, tensor) else arg for arg in args])
+            return python_apply(first, *tensors)
+        if isinstance(first, tensor):
+            first = unwrap(first)
+        return c_apply(first, *map(unwrap, tensors))
 
     apply.__doc__ = f"`{function_cls.__qualname__}.apply` through torch's C++ apply."
     return apply

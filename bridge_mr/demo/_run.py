@@ -47,7 +47,7 @@ class DemoConfig:
     seed: int = 0
     baseline: bool = True
     # One torch thread by default: with two on a 2-core machine that other processes kept busy,
-    # the torch baselines' rounds took 10-25x as long as with one (README, "Demo").
+    # the torch baselines' rounds took 10-25x as long as with one (docs/demo.md).
     torch_threads: int = 1
 
 

@@ -33,6 +33,7 @@ _GPU_PLATFORMS = ("gpu", "cuda")
 #: buffer or a dtype without a DLPack equivalent; torch's refusal of a capsule) and BufferError
 #: (DLPack's refusal to export a buffer). Any other exception is a bug, and propagates.
 _NOT_AS_IS = (RuntimeError, BufferError)
+_UNKNOWN = -1  # A device whose torch stream `_export_one` has not looked up yet.
 
 
 def export_arrays(arrays: Sequence[jax.Array], *, sole_owner: bool = False) -> list[torch.Tensor]:
@@ -60,8 +61,7 @@ def export_arrays(arrays: Sequence[jax.Array], *, sole_owner: bool = False) -> l
       >>> bridge_mr.dlpack.export_arrays([jnp.arange(3.0), jnp.ones((2, 2), jnp.int32)])
       [tensor([0., 1., 2.]), tensor([[1, 1], [1, 1]], dtype=torch.int32)]
     """
-    to_tensor = _runtime.owned_array_to_tensor if sole_owner else _runtime.array_to_tensor
-    return _export_all(arrays, _positional_name, to_tensor)
+    return _export_all(arrays, _positional_name, fresh=not sole_owner)
 
 
 def to_torch(tree: Any) -> Any:
@@ -102,7 +102,7 @@ def to_torch(tree: Any) -> Any:
         path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][positions[k]]
         return "tree" + jax.tree_util.keystr(path)
 
-    tensors = _export_all([leaves[i] for i in positions], name_of, _runtime.array_to_tensor)
+    tensors = _export_all([leaves[i] for i in positions], name_of, fresh=True)
     for i, tensor in zip(positions, tensors, strict=True):
         leaves[i] = tensor
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -113,29 +113,31 @@ def _positional_name(index: int) -> str:
 
 
 def _export_all(
-    arrays: Sequence[Any],
-    name_of: Callable[[int], str],
-    to_tensor: Callable[[jax.Array, int | None], torch.Tensor],
+    arrays: Sequence[Any], name_of: Callable[[int], str], *, fresh: bool
 ) -> list[torch.Tensor]:
+    """Each array as a tensor; `fresh`: the capsule holds a new handle on the buffer, not the
+    array (which its owner may then delete)."""
     out: list[torch.Tensor] = []
     append = out.append
     cuda_streams: dict[Any, int] = {}
-    single_device = _jax_compat.single_device
-    for index, array in enumerate(arrays):
+    # C functions (no Python frame per array): this runs for every output of every call.
+    to_capsule = _runtime.array_to_capsule
+    from_capsule = _runtime.tensor_from_capsule
+    fresh_handle = _runtime.fresh_handle
+    devices = _jax_compat.single_devices(arrays)
+    for index, (array, device) in enumerate(zip(arrays, devices, strict=True)):
         # Fast path for single-device CPU and GPU arrays; anything else (including a failure
         # here that `_NOT_AS_IS` expects) is redone by `_export_one`, which gathers or explains.
-        try:
-            device = single_device(array)
-            if device is not None:
-                if device.platform == "cpu":
-                    append(to_tensor(array, None))
+        if device is not None:
+            stream = None if device.platform == "cpu" else cuda_streams.get(device, _UNKNOWN)
+            if stream is not _UNKNOWN:
+                try:
+                    append(
+                        from_capsule(to_capsule(fresh_handle(array) if fresh else array, stream))
+                    )
                     continue
-                stream = cuda_streams.get(device)
-                if stream is not None:
-                    append(to_tensor(array, stream))
-                    continue
-        except _NOT_AS_IS:
-            pass
+                except _NOT_AS_IS:
+                    pass
         append(_export_one(array, name_of, index, cuda_streams))
     if ACTIVE:
         record(exports=len(out))

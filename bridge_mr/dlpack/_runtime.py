@@ -37,8 +37,10 @@ tensor_to_capsule: Callable[[torch.Tensor], Any] = (
 #: A torch tensor sharing a DLPack capsule's memory.
 tensor_from_capsule: Callable[[Any], torch.Tensor] = _torch_compat.tensor_from_capsule
 
-_array_to_capsule = _jaxlib.array_to_capsule
-_fresh_handle = _jax_compat.fresh_handle
+#: A DLPack capsule sharing a single-device jax.Array's buffer: `(array, stream)`.
+array_to_capsule: Callable[[Any, int | None], Any] = _jaxlib.array_to_capsule
+#: A new handle on a single-device jax.Array's buffer (so that deleting the array stays safe).
+fresh_handle: Callable[[jax.Array], jax.Array] = _jax_compat.fresh_handle
 
 x64_enabled = _jax_compat.x64_enabled
 default_device = _jax_compat.default_device
@@ -51,15 +53,7 @@ def array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
     `array.delete()` stays safe. `stream` is the torch CUDA stream that must wait for the
     array's producer (None on CPU).
     """
-    return tensor_from_capsule(_array_to_capsule(_fresh_handle(array), stream))
-
-
-def owned_array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:
-    """`array_to_tensor` for an array its caller owns alone and never deletes explicitly.
-
-    Exports `array` itself, skipping the fresh handle (which jaxlib builds through Python).
-    """
-    return tensor_from_capsule(_array_to_capsule(array, stream))
+    return tensor_from_capsule(array_to_capsule(fresh_handle(array), stream))
 
 
 # Devices and the default platform, looked up once per set of backends: `clear_backends()`

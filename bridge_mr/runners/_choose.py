@@ -61,7 +61,7 @@ def runner_for(
         if device_type == "xla":
             raise NotImplementedError(
                 "bridge_mr: map_reduce across processes runs on CPU and CUDA tensors; on "
-                "torch-xla, use torch-xla's own multi-host SPMD (see the README's torch-xla "
+                "torch-xla, use torch-xla's own multi-host SPMD (see docs/torch_xla.md's "
                 "multi-host recipe)."
             )
         return _processes.ProcessRunner(

@@ -196,12 +196,12 @@ class _Call:
         self.forward_mode = forward_mode
         self.entry = entry
         self.tensors = tensors
-        self.versions = torch_compat.versions(tensors)
+        self.versions = list(map(torch_compat.version_of, tensors))
         self.saved: list[Any] | None = []
 
     def check_versions(self) -> None:
         """Raises if an input changed in place since forward (recomputing reads the inputs)."""
-        now = torch_compat.versions(self.tensors)
+        now = list(map(torch_compat.version_of, self.tensors))
         for i, (tensor, version, current) in enumerate(
             zip(self.tensors, self.versions, now, strict=True)
         ):

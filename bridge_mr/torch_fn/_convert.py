@@ -287,8 +287,8 @@ def from_torch(
         raise TypeError(f"from_torch: expected rng to be True or False, got {rng!r}.")
     spec = FromTorch(torch_fn, tuple(indices), one, rng)
 
-    # A plain function, so bridge_mr keys it as it keys any function (README, "When a call
-    # traces again"): the same object reuses its traces; a new conversion of code that reads a
+    # A plain function, so bridge_mr keys it as it keys any function (docs/strategies.md, "When a
+    # call traces again"): the same object reuses its traces; a new conversion of code that reads a
     # module (its train / eval mode, its attributes) is traced again, as jax.jit would.
     def converted(*args: Any, **kwargs: Any) -> Any:
         return spec(*args, **kwargs)

@@ -1,5 +1,6 @@
-"""The "users_path" case: the README's round and what a torch user writes instead compute the
-same first round, each alternative in its own process, and the case reports rows and targets.
+"""The "users_path" case: the documented round (docs/algorithms.md) and what a torch user writes
+instead compute the same first round, each alternative in its own process, and the case reports
+rows and targets.
 
 Only whether the case runs and agrees is checked here; its times are benchmark rows.
 """

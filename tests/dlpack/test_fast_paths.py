@@ -96,16 +96,16 @@ def test_a_nested_tensor_the_numpy_fast_path_refuses_gets_the_full_paths_error()
 def test_an_expected_failure_of_the_export_fast_path_takes_the_full_path(
     monkeypatch: pytest.MonkeyPatch, error: BaseException
 ) -> None:
-    real = _runtime.array_to_tensor
+    real = _runtime.array_to_capsule
     calls: list[int] = []
 
-    def first_call_fails(array: jax.Array, stream: int | None) -> torch.Tensor:
+    def first_call_fails(array: jax.Array, stream: int | None) -> object:
         calls.append(1)
         if len(calls) == 1:
             raise error
         return real(array, stream)
 
-    monkeypatch.setattr(_runtime, "array_to_tensor", first_call_fails)
+    monkeypatch.setattr(_runtime, "array_to_capsule", first_call_fails)
     array = jnp.arange(4.0)
     (tensor,) = dlpack.export_arrays([array])
     assert len(calls) == 2  # The fast path's call, then the full path's.
@@ -115,7 +115,7 @@ def test_an_expected_failure_of_the_export_fast_path_takes_the_full_path(
 def test_an_unexpected_failure_of_the_export_fast_path_propagates(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_runtime, "array_to_tensor", _raising(_Bug("a bug")))
+    monkeypatch.setattr(_runtime, "array_to_capsule", _raising(_Bug("a bug")))
     with pytest.raises(_Bug, match="a bug"):
         dlpack.export_arrays([jnp.ones(3)])
 

@@ -1,4 +1,5 @@
-"""Clients streamed in chunks (README): reduce="sum" per chunk equals one weighted mean."""
+"""Clients streamed in chunks (docs/strategies.md): reduce="sum" per chunk equals one weighted
+mean."""
 
 from __future__ import annotations
 
