@@ -7,12 +7,14 @@ The five MapReduce names (`broadcast`, `map_fn`, `reduce_sum`, `reduce_mean`,
 Importing bridge_mr does not import torch: plain-JAX programs (export tools, Beam or
 `jax.distributed` workers) never pay for it. The torch-only names (`map_reduce`,
 `map_reduce_choices`, `torch_function`, `TorchFunction`, `RetraceWarning`, `trace_counts`,
-`from_torch`, `client_keys`) and the `dlpack`, `torch_api`, `torch_fn`, `algorithms`
-(FedAvg, FedOpt, DiLoCo, DP-FedAvg, ...) and `data` (federated datasets, partitions, per-round
-batches) subpackages load torch on first access (torchax,
+`from_torch`, `client_keys`) and the `dlpack`, `torch_api`, `torch_fn`, `auto` (how
+`strategy="auto"` chooses, its public `settings`), `algorithms` (FedAvg, FedOpt, DiLoCo,
+DP-FedAvg, ...) and `data` (federated datasets, partitions, per-round batches) subpackages load
+torch on first access (torchax,
 behind `from_torch`, on a converted function's first call). The five MapReduce names run the
 JAX layer directly until torch is imported, since no torch tensor can exist before; from then on
 they run `bridge_mr.torch_api`, which accepts torch tensors and JAX values alike.
+`bridge_mr.typing` holds the shared types (`PyTree`, `ClientFn`, `Strategy`, ...).
 """
 
 from __future__ import annotations
