@@ -1,6 +1,7 @@
 """bridge_mr benchmark suite: throughput, overhead and memory against the alternatives.
 
     python -m benchmarks [--quick] [--cases NAME ...] [--out DIR] (see --help for filters)
+    python -m benchmarks --cases accelerator --device cuda   (issue 31's rows on a GPU)
 
 Prints a table per case and the targets, and writes results.json, results.md and PNG plots to
 --out (default benchmarks/results, or benchmarks/results/quick with --quick). Run from the
@@ -22,6 +23,7 @@ from typing import Any
 
 from . import environment, harness, report, workloads
 from .cases import (
+    accelerator,
     beam,
     boundary,
     data,
@@ -35,6 +37,7 @@ from .cases import (
     recurrent,
     users_path,
 )
+from .workloads import accelerator as accelerator_rows
 from .workloads import users
 
 XLA_FLAGS = os.environ.get("XLA_FLAGS", "")  # As the user set them: bridge_mr sets none.
@@ -55,7 +58,10 @@ CASES: dict[str, Callable[[harness.Context], report.CaseResult]] = {
     "users_path": users_path.run,
     "data": data.run,
     "recurrent": recurrent.run,
+    "accelerator": accelerator.run,
 }
+#: Cases run only when asked for by name (`--cases`), not by default.
+OPT_IN = ("accelerator",)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -67,12 +73,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--cases",
         nargs="+",
         choices=list(CASES),
-        default=list(CASES),
+        default=[c for c in CASES if c not in OPT_IN],
         metavar="NAME",
-        help=f"cases to run (default: all of {', '.join(CASES)})",
+        help=f"cases to run (default: all of {', '.join(c for c in CASES if c not in OPT_IN)}; "
+        f"also {', '.join(OPT_IN)})",
     )
     parser.add_argument("--out", help="output folder (default benchmarks/results[/quick])")
-    parser.add_argument("--reps", type=int, help="repetitions per comparison (overrides mode)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        help="repetitions per comparison (overrides mode); accelerator: later rounds",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="accelerator case: where the tensors live (cuda: torch's and JAX's CUDA devices)",
+    )
     parser.add_argument(
         "--memory",
         choices=["auto", "all", "none"],
@@ -82,8 +99,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         nargs="+",
-        choices=list(dict.fromkeys([*workloads.MODELS, *users.MODELS])),
-        help=f"federated cases: models; users_path: of {', '.join(users.MODELS)}",
+        choices=list(dict.fromkeys([*workloads.MODELS, *users.MODELS, *accelerator_rows.MODELS])),
+        help=f"federated cases: models; users_path: of {', '.join(users.MODELS)}; "
+        f"accelerator: of {', '.join(accelerator_rows.MODELS)}",
     )
     parser.add_argument(
         "--clients", nargs="+", type=int, metavar="N", help="federated cases: client counts"
@@ -96,13 +114,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                 workloads.ALTERNATIVES
                 + workloads.round_alternatives()
                 + users_path.DEFAULT_ALTERNATIVES
+                + accelerator_rows.ALTERNATIVES
             )
         ),
         metavar="NAME",
         help=f"federated cases: alternatives (default: {', '.join(workloads.ALTERNATIVES)}); "
         f"cnn and lm: of {', '.join(workloads.round_alternatives())} (default: all); "
         f"users_path: of {', '.join(users_path.DEFAULT_ALTERNATIVES)} and "
-        "bridge_mr:STRATEGY (default: those)",
+        "bridge_mr:STRATEGY (default: those); accelerator: of "
+        f"{', '.join(accelerator_rows.ALTERNATIVES)} (default: all)",
     )
     parser.add_argument("--no-xla", action="store_true", help="skip the torch-xla rows")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -172,6 +192,8 @@ def main(argv: list[str]) -> int:
         models=tuple(args.models) if args.models else None,
         clients=tuple(args.clients) if args.clients else None,
         xla=not args.no_xla,
+        device=args.device,
+        rounds=args.reps,
     )
     out_dir = args.out or os.path.join(
         harness.PACKAGE_ROOT, "benchmarks", "results", *(["quick"] if args.quick else [])

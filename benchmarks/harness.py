@@ -368,6 +368,8 @@ class Context:
       xla: federated cases: add torch-xla rows where a torch-xla environment exists.
       round_alternatives: model-round cases ("cnn", "lm"): the alternatives asked for (None:
         all of `workloads.round_alternatives()`).
+      device: the "accelerator" case: where the tensors live, "cpu" or "cuda".
+      rounds: the "accelerator" case: later rounds per alternative (None: the case's own).
     """
 
     quick: bool
@@ -378,6 +380,8 @@ class Context:
     clients: tuple[int, ...] | None = None
     xla: bool = True
     round_alternatives: tuple[str, ...] | None = None
+    device: str = "cpu"
+    rounds: int | None = None
 
     def wants_memory(self, auto: bool) -> bool:
         """Whether to measure peak RSS for a row the case would (`auto`) or would not pick."""

@@ -10,6 +10,8 @@ JSON layout (`SCHEMA`), written to `results.json`:
     alternative = {"median_s", "q1_s", "q3_s", "min_s", "max_s", "reps", "calls_per_rep",
                    "ratio_to_baseline": {"median", "q1", "q3"}, <metric>: float, ...,
                    "memory": {"peak_rss_mb", "import_rss_mb", "delta_rss_mb"} | {"error"}}
+                   (case "accelerator" adds "first_round_s", "achieved_flop_per_s",
+                   "fraction_of_peak" and, on CUDA, "memory": {..., "device_peak_mb"})
                 | {"error": str}            (could not be built or failed; not timed)
     target = {"case", "row", "description", "value", "threshold", "direction", "met", "detail"}
 """
@@ -191,8 +193,12 @@ def _cell(entry: dict[str, Any]) -> str:
             text += f", {_number(entry[metric])} {label}"
     if "fraction_of_matmul_peak" in entry:
         text += f" ({100 * entry['fraction_of_matmul_peak']:.0f}% of matmul)"
+    if entry.get("fraction_of_peak") is not None:
+        text += f" ({100 * entry['fraction_of_peak']:.2g}% of peak)"
     memory = entry.get("memory", {})
-    if "peak_rss_mb" in memory:
+    if "device_peak_mb" in memory:
+        text += f", {memory['device_peak_mb']:.0f} MB device"
+    elif "peak_rss_mb" in memory:
         text += f", {memory['peak_rss_mb']:.0f} MB"
     elif "error" in memory:
         text += ", RSS n/a"

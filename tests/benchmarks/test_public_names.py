@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-#: The modules a user imports: the package and its public subpackages.
-PUBLIC_MODULES = {"bridge_mr", "bridge_mr.data", "bridge_mr.dlpack", "bridge_mr.jax_core"}
+#: The modules a user imports: the package and its public subpackages (`bridge_mr.auto`: its
+#: `__all__`, e.g. the cost model `cost` the accelerator rows count FLOPs with).
+PUBLIC_MODULES = {
+    "bridge_mr",
+    "bridge_mr.auto",
+    "bridge_mr.data",
+    "bridge_mr.dlpack",
+    "bridge_mr.jax_core",
+}
 
 
 def _sources(root: Path, folder: str) -> Iterator[tuple[str, ast.AST]]:

@@ -1,0 +1,307 @@
+"""Case "accelerator" (issue 31): the documented FedAvg round and the tiny call on the device
+the user's tensors live on (`--device cpu` or `--device cuda`), against a torch loop,
+torch.func.vmap, every bridge_mr strategy and the pure-JAX floor (`workloads.accelerator`).
+
+    python -m benchmarks --cases accelerator --device cuda   # the issue's rows
+    python -m benchmarks --cases accelerator --quick         # small rows, on the CPU
+
+Every alternative runs in a fresh process of its own (`benchmarks.workers.users`, the
+"users_path" case's worker and process handling), started one at a time: its first round there
+(trace and compile included, imports excluded) is reported apart ("first round" rows), then the
+later rounds are requested interleaved (A B C, B C A, ...) and their median reported. On CUDA
+the tensors are created on the GPU in each worker and the workers get `JAX_PLATFORMS=cpu,cuda`
+and `XLA_PYTHON_CLIENT_PREALLOCATE=false` (unless set). Per alternative: the process's peak RSS,
+and on CUDA its peak device memory (torch's allocator and JAX's, `workers.users`). Per row one
+more short process counts the FLOPs of one call (`accelerator.flops`, the vmap program's jaxpr)
+and gives the device's peak (`accelerator.device_peak`: a datasheet's, or on CPU a float32
+matmul measured in that process), so that each alternative's achieved FLOP/s and its fraction
+of the peak (the gap to the floor) are numbers.
+
+Not in `python -m benchmarks`' default cases: ask for it with `--cases accelerator`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from .. import harness, report
+from ..environment import LoadMeter
+from ..workloads import accelerator
+from ..workloads.accelerator import AcceleratorConfig
+from . import users_path
+
+#: The rows: (model, clients, steps, batch), full (the issue's table) and --quick.
+SIZES = {
+    "full": (
+        ("tiny", 4, 1, 16),
+        ("cnn", 50, 5, 10),
+        ("cnn", 500, 5, 10),
+        ("gpt2_128", 16, 2, 4),
+        ("gpt2_128", 128, 2, 4),
+    ),
+    "quick": (("tiny", 4, 1, 16), ("cnn", 4, 2, 4), ("gpt2_128", 4, 2, 4)),
+}
+#: Later rounds per alternative (interleaved): --quick, full; `--reps` overrides.
+ROUNDS = (3, 5)
+#: Calls per later-round request of the tiny call (its sample: their median).
+TINY_CALLS = 20
+#: The environment of a CUDA worker, where not set already (scripts/gpu_check.sh's).
+CUDA_ENV = {"JAX_PLATFORMS": "cpu,cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+TITLE = (
+    "Accelerator rows (issue 31): the documented round and the tiny call on the tensors' device, "
+    "each alternative in a fresh process"
+)
+UNIT = (
+    "later rounds: median per round (tiny: per call) ±half-IQR, (x) ratio to the pure-JAX floor, "
+    "achieved GFLOP/s (% of the device's peak), peak memory (CUDA: device, torch + JAX; CPU: "
+    "RSS); 'first round' rows: one call in a fresh process, trace and compile included"
+)
+
+
+def _env(device: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if device == "cuda":
+        for key, value in CUDA_ENV.items():
+            env.setdefault(key, value)
+    return env
+
+
+def _start(
+    name: str, cfg: AcceleratorConfig, save: str, timeout_s: float
+) -> tuple[users_path._Worker | None, dict[str, Any]]:
+    """Starts `name`'s worker, waits for its first round: (worker, facts) or (None, error)."""
+    spec = {
+        "workload": "accelerator",
+        "alternative": name,
+        "config": dataclasses.asdict(cfg),
+        "save": save,
+    }
+    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the worker)
+    process = subprocess.Popen(
+        harness.fresh_process(sys.executable, "benchmarks.workers.users", json.dumps(spec)),
+        cwd=harness.PACKAGE_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=_env(cfg.device),
+    )
+    worker = users_path._Worker(name, process, stderr, {})
+    meter = LoadMeter()
+    try:
+        worker.ready = users_path._answer(worker, timeout_s)
+    except RuntimeError as err:
+        worker.release()
+        return None, {"error": str(err)}
+    load = meter.read(also_own_s=worker.ready["cpu_total_s"])
+    return worker, {**worker.ready, "other_cpus_busy": load["other_cpus_busy"]}
+
+
+def count(cfg: AcceleratorConfig, timeout_s: float = 600.0) -> dict[str, Any]:
+    """One call's FLOPs and the device's peak, from a short process of their own:
+    {"flops", "peak": {...}} or {"error"}."""
+    spec = {"workload": "accelerator", "count": True, "config": dataclasses.asdict(cfg)}
+    command = harness.fresh_process(sys.executable, "benchmarks.workers.users", json.dumps(spec))
+    try:
+        done = subprocess.run(
+            command,
+            cwd=harness.PACKAGE_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            env=_env(cfg.device),
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"counting timed out after {timeout_s:.0f} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith('{"event"'):
+            return json.loads(line)
+    tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    return {"error": f"counting exited with {done.returncode}: {tail[0]}"}
+
+
+def measure(
+    cfg: AcceleratorConfig,
+    alternatives: tuple[str, ...],
+    rounds: int,
+    timeout_s: float = 1800.0,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One row's later rounds and first rounds, with FLOPs, peaks and memory."""
+    counted = count(cfg)
+    entries: dict[str, dict[str, Any]] = {}
+    workers: list[users_path._Worker] = []
+    request = f"round {TINY_CALLS}" if cfg.model == "tiny" else "round"
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = {name: os.path.join(tmp, f"{i}.npz") for i, name in enumerate(alternatives)}
+        try:
+            for name in alternatives:
+                worker, first = _start(name, cfg, saved[name], timeout_s)
+                entries[name] = first
+                if worker is not None:
+                    workers.append(worker)
+            samples: dict[str, list[float]] = {w.name: [] for w in workers}
+            for index in range(rounds):
+                order = workers[index % len(workers) :] + workers[: index % len(workers)]
+                for worker in order:
+                    samples[worker.name].append(worker.request(request, timeout_s)["seconds"])
+        finally:
+            closed = {w.name: w.close() for w in workers}
+        reference = saved.get("torch_loop")
+        difference = {
+            w.name: users_path._difference(saved[w.name], reference)
+            for w in workers
+            if reference is not None and w.name != "torch_loop" and os.path.exists(reference)
+        }
+    baseline = "pure_jax" if "pure_jax" in alternatives else alternatives[0]
+    timings = {
+        name: harness.Timing(samples[name], TINY_CALLS if cfg.model == "tiny" else 1)
+        if name in samples
+        else harness.Timing(error=entries[name].get("error", "not timed"))
+        for name in alternatives
+    }
+    peak = counted.get("peak", {})
+    params = {
+        **dataclasses.asdict(cfg),
+        "flops_per_round": counted.get("flops"),
+        "device": peak.get("name", cfg.device),
+        "peak_flop_per_s": peak.get("peak_flop_per_s"),
+        "peak_source": peak.get("source", counted.get("error")),
+        "max_abs_difference_after_first_round": difference,
+    }
+    row = report.comparison_row(harness.Comparison(baseline, timings), cfg.row_id, params)
+    first_timings = {
+        name: harness.Timing([entries[name]["first_s"]], 1)
+        if "first_s" in entries[name]
+        else harness.Timing(error=entries[name]["error"])
+        for name in alternatives
+    }
+    first_row = report.comparison_row(
+        harness.Comparison(baseline, first_timings), f"{cfg.row_id} first round", params
+    )
+    for name, entry in row["alternatives"].items():
+        _annotate(entry, entries[name], closed.get(name), counted, peak)
+    for name, entry in first_row["alternatives"].items():
+        if "build_s" in entries[name]:
+            entry["build_s"] = entries[name]["build_s"]
+    return row, first_row
+
+
+def _annotate(
+    entry: dict[str, Any],
+    started: dict[str, Any],
+    closed: dict[str, Any] | None,
+    counted: dict[str, Any],
+    peak: dict[str, Any],
+) -> None:
+    """Adds an alternative's first round, memory, FLOP/s and fraction of the peak."""
+    for key in ("first_s", "build_s", "auto_choice"):
+        if started.get(key) is not None:
+            entry["first_round_s" if key == "first_s" else key] = started[key]
+    if closed is not None:
+        if closed.get("peak_rss_mb") is None:
+            entry["memory"] = {"error": closed.get("error", "no peak reported")}
+        else:
+            imported = started["import_rss_mb"]
+            entry["memory"] = {
+                "peak_rss_mb": closed["peak_rss_mb"],
+                "import_rss_mb": imported,
+                "delta_rss_mb": closed["peak_rss_mb"] - imported,
+                **{k: v for k, v in closed.items() if k.endswith("_peak_mb")},
+            }
+    flops = counted.get("flops")
+    if "median_s" in entry and flops is not None:
+        achieved = flops / entry["median_s"]
+        entry["achieved_flop_per_s"] = achieved
+        entry["gflop_per_s"] = achieved / 1e9
+        top = peak.get("peak_flop_per_s")
+        entry["fraction_of_peak"] = achieved / top if top else None
+        if peak.get("fp32_flop_per_s"):
+            entry["fraction_of_fp32_peak"] = achieved / peak["fp32_flop_per_s"]
+
+
+def _configs(ctx: harness.Context) -> list[AcceleratorConfig]:
+    sizes = SIZES["quick" if ctx.quick else "full"]
+    models = ctx.models or accelerator.MODELS
+    chosen = [s for s in sizes if s[0] in models]
+    if ctx.clients:
+        chosen = list(dict.fromkeys((m, c, st, b) for m, _, st, b in chosen for c in ctx.clients))
+    return [AcceleratorConfig(m, c, st, b, device=ctx.device) for m, c, st, b in chosen]
+
+
+def _note(row: dict[str, Any]) -> str:
+    """The row's FLOPs, peak and agreement, and each alternative's time over the floor's."""
+    params = row["params"]
+    flops = params["flops_per_round"]
+    text = f"{row['id']}: "
+    text += f"{flops / 1e9:.4g} GFLOP per call" if flops is not None else "FLOPs n/a"
+    if params["peak_flop_per_s"]:
+        text += f"; peak {params['peak_flop_per_s'] / 1e12:.3g} TFLOP/s ({params['peak_source']})"
+    else:
+        text += f"; no peak ({params['peak_source']})"
+    floor = row["alternatives"].get("pure_jax", {}).get("median_s")
+    if floor:
+        over = [
+            f"{name} {entry['median_s'] / floor:.2f}x"
+            for name, entry in row["alternatives"].items()
+            if "median_s" in entry and name != "pure_jax"
+        ]
+        text += "; time over the pure-JAX floor: " + ", ".join(over)
+    choice = row["alternatives"].get("bridge_mr", {}).get("auto_choice")
+    if choice:
+        text += f"; auto chose {choice}"
+    differences = params["max_abs_difference_after_first_round"]
+    if differences:
+        text += "; first call's max |difference| from the torch loop: " + ", ".join(
+            f"{n} {d:.2g}" for n, d in differences.items()
+        )
+    return text + "."
+
+
+def run(
+    ctx: harness.Context,
+    configs: list[AcceleratorConfig] | None = None,
+    rounds: int | None = None,
+) -> report.CaseResult:
+    """Every configured row: first rounds, interleaved later rounds, FLOPs, peaks, memory.
+
+    Args:
+      ctx: the run's settings (`quick`, `device`, `models`, `clients`, `round_alternatives`,
+        `rounds`).
+      configs: the rows to measure instead of `SIZES`'.
+      rounds: later rounds per alternative instead of `ctx.rounds` / `ROUNDS`'.
+    """
+    configs = configs if configs is not None else _configs(ctx)
+    if rounds is None:
+        rounds = ctx.rounds if ctx.rounds is not None else ROUNDS[0 if ctx.quick else 1]
+    chosen = tuple(
+        a
+        for a in (ctx.round_alternatives or ())
+        if a in accelerator.ALTERNATIVES or a.startswith("bridge_mr:")
+    )
+    alternatives = chosen or accelerator.ALTERNATIVES
+    note = (
+        "Rounds: FedAvg, `steps` local SGD steps of `batch` examples per client, lr 0.05, "
+        "server SGD(lr=1.0) on minus the mean delta; cnn = pfl-research's CIFAR10 simple_cnn "
+        "without dropout; gpt2_128 = GPT2LMHeadModel, 2 layers of width 128, 32 tokens; tiny = "
+        "one map_reduce forward+backward of the overhead case's MLP (4 clients, width 8). "
+        "bridge_mr = strategy auto; bridge_mr:NAME[:CHUNK] forced. pure_jax = jax.jit(jax.vmap) "
+        "of the same converted client, the floor. FLOPs: matmul/conv work of one call "
+        "(bridge_mr.auto.cost of the vmap program), the same for every alternative."
+    )
+    with report.case_result("accelerator", TITLE, UNIT, note) as case:
+
+        def one(cfg: AcceleratorConfig) -> None:
+            row, first = measure(cfg, alternatives, rounds)
+            case.rows += [row, first]
+            case.notes.append(_note(row))
+
+        harness.each(configs, case.name, one)
+    return case

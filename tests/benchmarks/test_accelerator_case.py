@@ -1,0 +1,97 @@
+"""The "accelerator" case (issue 31) on the CPU: `--device` and the case's options parse, the
+GPU peak table answers by device name, and a tiny run writes rows with the first round, the
+later rounds' median, peak memory, FLOPs and the fraction of the device's peak, every
+alternative in its own process.
+
+Only whether the case runs and reports is checked here; its times are benchmark rows. The CUDA
+path (`--device cuda`) runs in scripts/gpu_check.sh on a GPU machine.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+from helpers.bench import benchmark
+
+
+@pytest.fixture(scope="module")
+def case() -> ModuleType:
+    return benchmark("cases.accelerator")
+
+
+@pytest.fixture(scope="module")
+def rows() -> ModuleType:
+    return benchmark("workloads.accelerator")
+
+
+def test_device_is_an_option_and_the_case_is_opt_in() -> None:
+    main = benchmark("__main__")
+    default = main._parse([])
+    assert default.device == "cpu"
+    assert "accelerator" not in default.cases
+    assert "users_path" in default.cases
+    asked = main._parse(["--cases", "accelerator", "--device", "cuda", "--reps", "2"])
+    assert (asked.cases, asked.device, asked.reps) == (["accelerator"], "cuda", 2)
+    with pytest.raises(SystemExit):
+        main._parse(["--device", "tpu"])
+
+
+def test_gpu_peaks_by_name(rows: ModuleType) -> None:
+    h200 = rows.gpu_peak("NVIDIA H200")
+    assert h200["peak_flop_per_s"] == pytest.approx(494.7e12)
+    assert h200["fp32_flop_per_s"] == pytest.approx(66.9e12)
+    assert "datasheet" in h200["source"]
+    assert rows.gpu_peak("NVIDIA H200 NVL")["peak_flop_per_s"] < h200["peak_flop_per_s"]
+    unknown = rows.gpu_peak("Some GPU")
+    assert "peak_flop_per_s" not in unknown
+    assert "no datasheet peak" in unknown["source"]
+
+
+def test_flops_are_counted_per_client_and_step(rows: ModuleType) -> None:
+    one = rows.flops(rows.AcceleratorConfig("cnn", 1, steps=1, batch=2))
+    assert 1.5e8 < one < 2.5e8  # ~100 MFLOP per training image (issue 31)
+    assert rows.flops(rows.AcceleratorConfig("cnn", 3, steps=2, batch=2)) == pytest.approx(6 * one)
+
+
+def test_a_tiny_cpu_run_reports_every_field(case: ModuleType, rows: ModuleType) -> None:
+    harness = benchmark("harness")
+    ctx = harness.Context(
+        quick=True,
+        policy=harness.QUICK,
+        alternatives=(),
+        round_alternatives=("torch_loop", "bridge_mr:vmap"),
+    )
+    configs = [
+        rows.AcceleratorConfig("tiny", 2, steps=1, batch=4),
+        rows.AcceleratorConfig("cnn", 2, steps=1, batch=2),
+    ]
+    result = case.run(ctx, configs=configs, rounds=1)
+    ids = [row["id"] for row in result.rows]
+    assert ids == [
+        "accelerator/tiny/c2",
+        "accelerator/tiny/c2 first round",
+        "accelerator/cnn/c2",
+        "accelerator/cnn/c2 first round",
+    ]
+    for row in result.rows[::2]:
+        params = row["params"]
+        assert params["flops_per_round"] > 0
+        assert params["peak_flop_per_s"] > 0
+        assert "measured" in params["peak_source"]
+        assert list(row["alternatives"]) == ["torch_loop", "bridge_mr:vmap"]
+        for name, entry in row["alternatives"].items():
+            assert "error" not in entry, (row["id"], name, entry)
+            assert entry["first_round_s"] > 0
+            assert entry["median_s"] > 0
+            assert entry["achieved_flop_per_s"] == pytest.approx(
+                params["flops_per_round"] / entry["median_s"]
+            )
+            assert 0 < entry["fraction_of_peak"] < 10
+            assert entry["memory"]["peak_rss_mb"] > entry["memory"]["import_rss_mb"] > 0
+            assert "device_peak_mb" not in entry["memory"]  # CPU: RSS only
+        assert params["max_abs_difference_after_first_round"]["bridge_mr:vmap"] < 1e-4
+    for first in result.rows[1::2]:
+        assert all(e["median_s"] > 0 for e in first["alternatives"].values())
+    report = benchmark("report")
+    assert "% of peak" in report.case_markdown(result)
