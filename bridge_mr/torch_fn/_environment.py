@@ -122,6 +122,10 @@ def environment() -> Any:
         # A CPU scalar tensor the function captured would become a constant of the trace.
         env.config.allow_mixed_math_with_scalar_tensor = False
         env.dispatch = functools.partial(_strict_dispatch, tx, env.dispatch)
+        # torchax's own Python methods (`Tensor.__setitem__`: `out[1] = x` into a tensor made
+        # inside) read their arguments' JAX values here: functionalization's wrappers give the
+        # values they hold (this environment's attribute only, not torchax's class).
+        env.t2j_iso = functools.partial(_values_held, env.t2j_iso)
         env.get_and_rotate_prng_key = functools.partial(_next_key, env)
         torchax_compat.own_every_factory(env)  # every value inside is JAX's (see _move)
         env.override_op_definition(_aten.detach.default, _detach)
@@ -144,6 +148,38 @@ def _op_name(func: Any) -> str:
         return f"torch.ops.{func.namespace}.{name}"
     module = getattr(func, "__module__", None) or ""
     return f"{module}.{name}" if module and not name.startswith(module) else name
+
+
+#: Python's in-place operators on tensors (`out[:, 2:] += x`).
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
+) | {"__setitem__"}
+
+
+def _writes_into_own(tx: torchax_compat.Torchax, func: Any, args: Any) -> bool:
+    """Whether `func` writes in place into a torchax tensor of the function's own (not a
+    functionalization wrapper), from functionalization's wrappers."""
+    if not args or not isinstance(args[0], (tx.Tensor, tx.View)):
+        return False
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.startswith("_")  # add_, copy_, index_put_
+    if not (in_place or name in _IN_PLACE_OPERATORS):
+        return False
+    leaves = torch_pytree.tree_leaves(args[1:])
+    return any(isinstance(t, torch.Tensor) and torch_compat.is_functional_tensor(t) for t in leaves)
+
+
+def _values_held(t2j_iso: Any, tensors: Any) -> Any:
+    """torchax's `t2j_iso` (tensors to JAX values), functionalization's wrappers unwrapped."""
+    return t2j_iso(torch_pytree.tree_map_only(torch.Tensor, _held, tensors))
+
+
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """The torchax tensor a functionalization wrapper holds, or `tensor` itself."""
+    if torch_compat.is_functional_tensor(tensor):
+        return torch_compat.functional_inner(tensor)
+    return tensor
 
 
 def _strict_dispatch(
@@ -203,6 +239,16 @@ def _strict_dispatch(
             (data,),
             {"dtype": dtype, "device": torchax_compat.device()},
         )
+    if not aten and _writes_into_own(tx, func, args):
+        # A write into a tensor made inside the function (`out = torch.zeros(3, 5); out[1] = x`):
+        # torchax made it a JAX value of its own, outside functionalization, and torch refuses
+        # to write functionalization's wrappers into it. Write the values they hold: the
+        # result is the same JAX computation.
+        held_args, held_kwargs = torch_pytree.tree_map_only(torch.Tensor, _held, (args, kwargs))
+        try:
+            return dispatch(func, types, held_args, held_kwargs)
+        except tx.OperatorNotFound:  # No Python-level lowering: its ATen ops, on the values.
+            return func(*held_args, **(held_kwargs or {}))
     if not aten and any(torch_compat.is_functional_tensor(t) for t in tensors):
         # Functionalization's wrappers report the meta device and hold no values: torchax's own
         # handling of a Python-level function (`Tensor.to` copies its argument's storage) would
