@@ -1,5 +1,5 @@
-"""Case "users_path": the round the README tells users to write, against what they would write
-instead: a plain torch loop, pfl-research, torch.func.vmap (`workloads.users`).
+"""Case "users_path": the round docs/algorithms.md tells users to write, against what they would
+write instead: a plain torch loop, pfl-research, torch.func.vmap (`workloads.users`).
 
 Every alternative runs in a fresh process of its own (`benchmarks.workers.users`; pfl's in the
 pfl venv, `PFL_PYTHON`), started one at a time while the others wait idle: its first round
@@ -67,7 +67,7 @@ ROUNDS = (3, 5)
 AGREEMENT_ATOL = {"cnn": 1e-4, "gpt2": 1e-4, "resnet18": 1e-2}
 
 TITLE = (
-    "The README's round (from_torch + algorithms.local_training + outer_step) against a torch "
+    "The documented round (from_torch + algorithms.local_training + outer_step) against a torch "
     "loop, pfl-research and torch.func.vmap, each in a fresh process"
 )
 UNIT = (

@@ -1,4 +1,5 @@
-"""The FedAvg round the README tells a torch user to write, and what they would write instead.
+"""The FedAvg round docs/algorithms.md tells a torch user to write, and what they would write
+instead.
 
 One round: every client starts from the server's parameters, takes `steps` SGD steps of
 `batch` examples (its own data, in order), and the server adds the clients' mean delta
@@ -16,9 +17,9 @@ One round: every client starts from the server's parameters, takes `steps` SGD s
 
 Alternatives (`ALTERNATIVES`), each a zero-argument round returning the server parameters:
 
-* "bridge_mr": the README's path, `alg.outer_step(alg.local_training(from_torch(loss),
-  optax.sgd(lr), steps), params, batches)` then the server optimizer's step; "bridge_mr:NAME"
-  passes `strategy=NAME`.
+* "bridge_mr": the documented path (docs/algorithms.md),
+  `alg.outer_step(alg.local_training(from_torch(loss), optax.sgd(lr), steps), params, batches)`
+  then the server optimizer's step; "bridge_mr:NAME" passes `strategy=NAME`.
 * "torch_loop": what a torch user writes: one local `nn.Module` that loads the server's state
   per client, a `torch.optim.SGD` per client, a plain loop over clients and steps.
 * "torch_vmap": `torch.func.vmap` over clients of the local steps (`torch.func.grad` of
@@ -141,7 +142,7 @@ def loss_of(model: str, call: ModelCall, batch: Mapping[str, Any]) -> Any:
 
 
 def functional_loss(model: str, net: Any) -> Callable[[Any, Any], Any]:
-    """The torch loss `(params, batch)` the README has users write: `functional_call`."""
+    """The torch loss `(params, batch)` docs/algorithms.md has users write: `functional_call`."""
     import torch
 
     def client_loss(params: Mapping[str, Any], batch: Mapping[str, Any]) -> Any:
@@ -160,8 +161,9 @@ def _torch_data(cfg: UserConfig) -> dict[str, Any]:
 
 
 def build_bridge_mr(cfg: UserConfig, strategy: str | None = None) -> Callable[[], Any]:
-    """The README's round: `from_torch` + `local_training(optax.sgd)` + `outer_step`, then the
-    server's `torch.optim.SGD(lr=1.0)` step; `strategy=` passed on when given."""
+    """The documented round (docs/algorithms.md): `from_torch` + `local_training(optax.sgd)` +
+    `outer_step`, then the server's `torch.optim.SGD(lr=1.0)` step; `strategy=` passed on when
+    given."""
     import optax
     import torch
 
