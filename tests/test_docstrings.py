@@ -43,6 +43,7 @@ MODULES = (
     "bridge_mr.dlpack",
     "bridge_mr.jax_core",
     "bridge_mr.beam",
+    "bridge_mr.auto",
 )
 
 

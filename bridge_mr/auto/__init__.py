@@ -5,7 +5,8 @@ answer lives here, below the torch frontend: the cost model (`cost`: FLOPs, peak
 convolution groups read from a jaxpr), the device's description (`describe_device`: an input
 of the rules, CPU or GPU), the pick, the optional timing, and the decisions kept on disk. Its
 tuning is public in `bridge_mr.auto.settings`; `map_reduce_choices()` (also
-`bridge_mr.map_reduce_choices`) lists what it picked and why.
+`bridge_mr.map_reduce_choices`) lists what it picked and why. `choose`, `RoundKind` and
+`same` are the torch frontend's way in (not in `__all__`, not for users).
 """
 
 from . import settings as settings
@@ -30,14 +31,11 @@ __all__ = [
     "Choice",
     "Cost",
     "DeviceDescription",
-    "RoundKind",
-    "choose",
     "cost",
     "describe_device",
     "directory",
     "forget_all",
     "forget_choices",
     "map_reduce_choices",
-    "same",
     "settings",
 ]

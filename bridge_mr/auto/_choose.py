@@ -44,8 +44,17 @@ _DECIDING = threading.RLock()  # Held while deciding: one decision at a time.
 
 
 def forget_choices() -> None:
-    """Forgets every choice of `auto` held in memory: the next call of each signature decides
-    again (reading the decision kept on disk, if any: `_decisions`)."""
+    """Forgets every choice of `auto` held in memory.
+
+    The next call of each signature decides again (reading the decision kept on disk, if any:
+    `forget_all` deletes those).
+
+    Example:
+      >>> bridge_mr.map_reduce(jax_loss, params, batch).backward()  # strategy="auto" decides
+      >>> bridge_mr.auto.forget_choices()
+      >>> bridge_mr.map_reduce_choices()
+      []
+    """
     _CHOICES.clear()
 
 

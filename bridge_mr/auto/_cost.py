@@ -33,6 +33,14 @@ class Cost:
         (1 when it has none, or none grouped).
       while_loops: how many while loops it runs (their trip counts are not known).
       computed_bytes: the bytes of every value it computes, loop bodies once per iteration.
+
+    Example:
+      >>> from bridge_mr.auto import cost
+      >>> step = lambda c, w: (jnp.tanh(c @ w), None)
+      >>> loop = lambda c, w: jax.lax.scan(lambda c, _: step(c, w), c, None, length=5)[0]
+      >>> found = cost(jax.make_jaxpr(loop)(jnp.ones((4, 8)), jnp.ones((8, 8))))
+      >>> found.flops, found.conv_groups, found.while_loops  # 5 products of 2*4*8*8
+      (2560.0, 1, 0)
     """
 
     flops: float
@@ -54,8 +62,8 @@ def cost(closed: core.ClosedJaxpr) -> Cost:
     Example:
       >>> from bridge_mr.auto import cost
       >>> c = cost(jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((8, 4)), jnp.ones((4, 2))))
-      >>> c.flops, c.peak_bytes  # 2*8*4*2; the two arguments and the [8, 2] result
-      (128.0, 256)
+      >>> c.flops, c.peak_bytes  # 2*8*4*2; the arguments and the [8, 2] result: (32+8+16)*4
+      (128.0, 224)
     """
     walk = _CostWalk()
     args = sum(_bytes(v.aval) for v in (*closed.jaxpr.constvars, *closed.jaxpr.invars))

@@ -53,6 +53,12 @@ def directory() -> Path | None:
 
     Returns:
       The directory (it may not exist yet).
+
+    Example:
+      >>> import os
+      >>> where = bridge_mr.auto.directory()  # under $BRIDGE_MR_CACHE_DIR here
+      >>> str(where) == os.path.join(os.environ["BRIDGE_MR_CACHE_DIR"], "auto")
+      True
     """
     if os.environ.get(DISK_SWITCH, "1") == "0":
         return None
@@ -139,6 +145,11 @@ def forget_all() -> int:
 
     Returns:
       How many files were deleted.
+
+    Example:
+      >>> bridge_mr.map_reduce(jax_loss, params, batch).backward()  # decides, keeps it on disk
+      >>> bridge_mr.auto.forget_all() >= 1  # the next process decides again
+      True
     """
     where = directory()
     if where is None or not where.is_dir():

@@ -20,6 +20,11 @@ class DeviceDescription:
       platform: "cpu", or "gpu" for an accelerator (CUDA).
       name: the device's name ("cpu", "NVIDIA H200", ...), part of a decision's name on disk.
       memory_bytes: its memory (the host's physical memory for "cpu").
+
+    Example:
+      >>> h200 = bridge_mr.auto.DeviceDescription("gpu", "NVIDIA H200", 150_000_000_000)
+      >>> h200.accelerator, bridge_mr.auto.describe_device(torch.device("cpu")).accelerator
+      (True, False)
     """
 
     platform: str
@@ -40,6 +45,11 @@ def describe(device: torch.device) -> DeviceDescription:
 
     Returns:
       Its `DeviceDescription`.
+
+    Example:
+      >>> found = bridge_mr.auto.describe_device(torch.device("cpu"))
+      >>> found.platform, found.name, found.memory_bytes > 0
+      ('cpu', 'cpu', True)
     """
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
