@@ -21,7 +21,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +32,7 @@ from torch.utils import _pytree as torch_pytree
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._compat import torchax as torchax_compat
 
-from . import _recurrent
+from . import _packed, _recurrent
 
 __all__ = [
     "UnsupportedTorchOperation",
@@ -157,29 +157,29 @@ _IN_PLACE_OPERATORS = frozenset(
 ) | {"__setitem__"}
 
 
-def _writes_into_own(tx: torchax_compat.Torchax, func: Any, args: Any) -> bool:
+def _writes_into_own(
+    tx: torchax_compat.Torchax, func: Any, args: Any, tensors: Sequence[torch.Tensor]
+) -> bool:
     """Whether `func` writes in place into a torchax tensor of the function's own (not a
-    functionalization wrapper), from functionalization's wrappers."""
+    functionalization wrapper), from functionalization's wrappers (among the call's
+    `tensors`)."""
     if not args or not isinstance(args[0], (tx.Tensor, tx.View)):
         return False
     name = getattr(func, "__name__", "")
     in_place = name.endswith("_") and not name.startswith("_")  # add_, copy_, index_put_
     if not (in_place or name in _IN_PLACE_OPERATORS):
         return False
-    leaves = torch_pytree.tree_leaves(args[1:])
-    return any(isinstance(t, torch.Tensor) and torch_compat.is_functional_tensor(t) for t in leaves)
+    return any(torch_compat.is_functional_tensor(t) for t in tensors)
 
 
 def _values_held(t2j_iso: Any, tensors: Any) -> Any:
     """torchax's `t2j_iso` (tensors to JAX values), functionalization's wrappers unwrapped."""
-    return t2j_iso(torch_pytree.tree_map_only(torch.Tensor, _held, tensors))
+    return t2j_iso(_unwrapped(tensors))
 
 
-def _held(tensor: torch.Tensor) -> torch.Tensor:
-    """The torchax tensor a functionalization wrapper holds, or `tensor` itself."""
-    if torch_compat.is_functional_tensor(tensor):
-        return torch_compat.functional_inner(tensor)
-    return tensor
+def _unwrapped(tree: Any) -> Any:
+    """`tree` with each functionalization wrapper replaced by the torchax tensor it holds."""
+    return torch_pytree.tree_map_only(torch.Tensor, _packed.inner, tree)
 
 
 def _strict_dispatch(
@@ -239,12 +239,14 @@ def _strict_dispatch(
             (data,),
             {"dtype": dtype, "device": torchax_compat.device()},
         )
-    if not aten and _writes_into_own(tx, func, args):
+    if not aten and _writes_into_own(tx, func, args, tensors):
         # A write into a tensor made inside the function (`out = torch.zeros(3, 5); out[1] = x`):
         # torchax made it a JAX value of its own, outside functionalization, and torch refuses
         # to write functionalization's wrappers into it. Write the values they hold: the
         # result is the same JAX computation.
-        held_args, held_kwargs = torch_pytree.tree_map_only(torch.Tensor, _held, (args, kwargs))
+        held_args, held_kwargs = torch_pytree.tree_map_only(
+            torch.Tensor, _packed.inner, (args, kwargs)
+        )
         try:
             return dispatch(func, types, held_args, held_kwargs)
         except tx.OperatorNotFound:  # No Python-level lowering: its ATen ops, on the values.

@@ -42,6 +42,7 @@ __all__ = [
     "PackedData",
     "Refuse",
     "constant",
+    "inner",
     "is_pack",
     "is_pad_sequence",
     "is_unpack",
@@ -229,7 +230,7 @@ def constant(func: Any, args: Sequence[Any]) -> bool:
     return False
 
 
-def _inner(tensor: torch.Tensor) -> torch.Tensor:
+def inner(tensor: torch.Tensor) -> torch.Tensor:
     """The torchax tensor a functionalization wrapper holds, or `tensor` itself."""
     if torch_compat.is_functional_tensor(tensor):
         return torch_compat.functional_inner(tensor)
@@ -238,7 +239,7 @@ def _inner(tensor: torch.Tensor) -> torch.Tensor:
 
 def _values(tensor: torch.Tensor) -> np.ndarray | None:
     """A tensor's values when they are known as the program is built, else None."""
-    value = torchax_compat.value_of(_inner(tensor))
+    value = torchax_compat.value_of(inner(tensor))
     return np.asarray(value) if type(value) is jax_compat.ArrayImpl else None
 
 
