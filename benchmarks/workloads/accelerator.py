@@ -28,7 +28,6 @@ parameters after the round; the tiny call's gradients), its tensors created on t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -175,14 +174,8 @@ def _jax_tree(tree: Mapping[str, np.ndarray], device: str) -> dict[str, Any]:
 
 
 def _local(cfg: AcceleratorConfig, net: Any) -> Any:
-    """The documented client: `local_training(from_torch(loss), optax.sgd(lr), steps)`."""
-    import optax
-
-    import bridge_mr
-    from bridge_mr import algorithms as alg
-
-    loss = bridge_mr.from_torch(users.functional_loss(_family(cfg.model), net))
-    return alg.local_training(loss, optax.sgd(cfg.lr), steps=cfg.steps)
+    """The documented client (`users.local_training`)."""
+    return users.local_training(_family(cfg.model), net, cfg.steps, cfg.lr)
 
 
 def _strategy(alternative: str) -> dict[str, Any]:
@@ -200,75 +193,22 @@ def _strategy(alternative: str) -> dict[str, Any]:
 
 
 def round_bridge_mr(cfg: AcceleratorConfig, alternative: str) -> Callable[[], Any]:
-    """The documented round: `outer_step` then the server's `torch.optim.SGD(lr=1.0)` step."""
-    import torch
-
-    from bridge_mr import algorithms as alg
-
+    """The documented round on the device (`users.bridge_mr_round`)."""
     net = build_model(cfg.model).to(cfg.device)
-    params = dict(net.named_parameters())
     local = _local(cfg, net)
-    server_opt = torch.optim.SGD(net.parameters(), lr=1.0)
-    batches = _torch_data(cfg)
-    options = _strategy(alternative)
-
-    def bridge_mr_round() -> Any:
-        alg.outer_step(local, params, batches, **options)
-        server_opt.step()
-        server_opt.zero_grad()
-        return list(params.values())
-
-    return bridge_mr_round
+    return users.bridge_mr_round(net, _torch_data(cfg), local, **_strategy(alternative))
 
 
 def round_torch_loop(cfg: AcceleratorConfig) -> Callable[[], Any]:
-    """A plain torch loop: per client, a local module loads the server's state and a fresh
-    `torch.optim.SGD` takes the steps; the server adds the mean delta."""
-    import torch
-
+    """A plain torch loop on the device (`users.torch_loop_round`)."""
     server = build_model(cfg.model).to(cfg.device)
-    local = copy.deepcopy(server)
-    batches = _torch_data(cfg)
-    server_params = dict(server.named_parameters())
-    local_params = dict(local.named_parameters())
-    family = _family(cfg.model)
-
-    def torch_loop_round() -> Any:
-        total = {name: torch.zeros_like(p) for name, p in server_params.items()}
-        for c in range(cfg.clients):
-            local.load_state_dict(server.state_dict())
-            opt = torch.optim.SGD(local.parameters(), lr=cfg.lr)
-            for k in range(cfg.steps):
-                opt.zero_grad()
-                users.loss_of(family, local, {n: b[c, k] for n, b in batches.items()}).backward()
-                opt.step()
-            with torch.no_grad():
-                for name, p in local_params.items():
-                    total[name] += p - server_params[name]
-        with torch.no_grad():
-            for name, p in server_params.items():
-                p += total[name] / cfg.clients
-        return list(server_params.values())
-
-    return torch_loop_round
+    return users.torch_loop_round(_family(cfg.model), server, _torch_data(cfg), cfg.steps, cfg.lr)
 
 
 def round_torch_vmap(cfg: AcceleratorConfig) -> Callable[[], Any]:
-    """`torch.func.vmap` over clients of the local steps (`torch.func.grad` of the loss)."""
-    from .fedavg import torch_vmap_fedavg
-
+    """`torch.func.vmap` over clients on the device (`users.torch_vmap_round`)."""
     net = build_model(cfg.model).to(cfg.device)
-    server = {name: p.detach() for name, p in net.named_parameters()}
-    batches = _torch_data(cfg)
-    names = tuple(batches)
-    loss = users.functional_loss(_family(cfg.model), net)
-    return torch_vmap_fedavg(
-        server,
-        tuple(batches[n] for n in names),
-        lambda p, batch: loss(p, dict(zip(names, batch, strict=True))),
-        local_steps=cfg.steps,
-        lr=cfg.lr,
-    )
+    return users.torch_vmap_round(_family(cfg.model), net, _torch_data(cfg), cfg.steps, cfg.lr)
 
 
 def _round_program(cfg: AcceleratorConfig) -> tuple[Callable[..., Any], Any, Any, list[str]]:

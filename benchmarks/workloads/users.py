@@ -160,84 +160,111 @@ def _torch_data(cfg: UserConfig) -> dict[str, Any]:
     return {k: torch.from_numpy(v) for k, v in data(cfg).items()}
 
 
-def build_bridge_mr(cfg: UserConfig, strategy: str | None = None) -> Callable[[], Any]:
-    """The documented round (docs/algorithms.md): `from_torch` + `local_training(optax.sgd)` +
-    `outer_step`, then the server's `torch.optim.SGD(lr=1.0)` step; `strategy=` passed on when
-    given."""
+def local_training(model: str, net: Any, steps: int, lr: float) -> Any:
+    """The documented client of `model`'s `net`: `local_training(from_torch(loss),
+    optax.sgd(lr), steps)`."""
     import optax
-    import torch
 
     import bridge_mr
     from bridge_mr import algorithms as alg
 
-    net = build_model(cfg.model)
-    params = dict(net.named_parameters())
-    local = alg.local_training(
-        bridge_mr.from_torch(functional_loss(cfg.model, net)), optax.sgd(cfg.lr), steps=cfg.steps
-    )
-    server_opt = torch.optim.SGD(net.parameters(), lr=1.0)
-    batches = _torch_data(cfg)
-    options = {} if strategy is None else {"strategy": strategy}
+    loss = bridge_mr.from_torch(functional_loss(model, net))
+    return alg.local_training(loss, optax.sgd(lr), steps=steps)
 
-    def bridge_mr_round() -> Any:
+
+def bridge_mr_round(
+    net: Any, batches: Mapping[str, Any], local: Any, **options: Any
+) -> Callable[[], Any]:
+    """The documented round of `net` on `batches` (wherever they live): `outer_step` of
+    `local`, then the server's `torch.optim.SGD(lr=1.0)` step; `options` go to `outer_step`."""
+    import torch
+
+    from bridge_mr import algorithms as alg
+
+    params = dict(net.named_parameters())
+    server_opt = torch.optim.SGD(net.parameters(), lr=1.0)
+
+    def round_() -> Any:
         alg.outer_step(local, params, batches, **options)
         server_opt.step()
         server_opt.zero_grad()
         return list(params.values())
 
-    return bridge_mr_round
+    return round_
 
 
-def build_torch_loop(cfg: UserConfig) -> Callable[[], Any]:
-    """The plain torch loop: per client, one local module loads the server's state, a fresh
-    `torch.optim.SGD` takes the steps; the server adds the mean delta."""
+def torch_loop_round(
+    model: str, server: Any, batches: Mapping[str, Any], steps: int, lr: float
+) -> Callable[[], Any]:
+    """The plain torch loop over `server`'s clients (the leading axis of `batches`): per
+    client, one local module loads the server's state, a fresh `torch.optim.SGD` takes the
+    steps; the server adds the mean delta."""
     import copy
 
     import torch
 
-    server = build_model(cfg.model)
     local = copy.deepcopy(server)
-    batches = _torch_data(cfg)
     server_params = dict(server.named_parameters())
     local_params = dict(local.named_parameters())
+    clients = next(iter(batches.values())).shape[0]
 
-    def torch_loop_round() -> Any:
+    def round_() -> Any:
         total = {name: torch.zeros_like(p) for name, p in server_params.items()}
-        for c in range(cfg.clients):
+        for c in range(clients):
             local.load_state_dict(server.state_dict())
-            opt = torch.optim.SGD(local.parameters(), lr=cfg.lr)
-            for k in range(cfg.steps):
+            opt = torch.optim.SGD(local.parameters(), lr=lr)
+            for k in range(steps):
                 opt.zero_grad()
-                loss_of(cfg.model, local, {n: b[c, k] for n, b in batches.items()}).backward()
+                loss_of(model, local, {n: b[c, k] for n, b in batches.items()}).backward()
                 opt.step()
             with torch.no_grad():
                 for name, p in local_params.items():
                     total[name] += p - server_params[name]
         with torch.no_grad():
             for name, p in server_params.items():
-                p += total[name] / cfg.clients
+                p += total[name] / clients
         return list(server_params.values())
 
-    return torch_loop_round
+    return round_
 
 
-def build_torch_vmap(cfg: UserConfig) -> Callable[[], Any]:
+def torch_vmap_round(
+    model: str, net: Any, batches: Mapping[str, Any], steps: int, lr: float
+) -> Callable[[], Any]:
     """`torch.func.vmap` over clients of the local steps, each `torch.func.grad` of the
     `functional_call` loss."""
     from .fedavg import torch_vmap_fedavg
 
-    net = build_model(cfg.model)
     server = {name: p.detach() for name, p in net.named_parameters()}
-    batches = _torch_data(cfg)
     names = tuple(batches)
-    loss = functional_loss(cfg.model, net)
+    loss = functional_loss(model, net)
     return torch_vmap_fedavg(
         server,
         tuple(batches[n] for n in names),
         lambda p, batch: loss(p, dict(zip(names, batch, strict=True))),
-        local_steps=cfg.steps,
-        lr=cfg.lr,
+        local_steps=steps,
+        lr=lr,
     )
+
+
+def build_bridge_mr(cfg: UserConfig, strategy: str | None = None) -> Callable[[], Any]:
+    """The documented round (docs/algorithms.md): `from_torch` + `local_training(optax.sgd)` +
+    `outer_step`, then the server's `torch.optim.SGD(lr=1.0)` step; `strategy=` passed on when
+    given."""
+    net = build_model(cfg.model)
+    local = local_training(cfg.model, net, cfg.steps, cfg.lr)
+    options = {} if strategy is None else {"strategy": strategy}
+    return bridge_mr_round(net, _torch_data(cfg), local, **options)
+
+
+def build_torch_loop(cfg: UserConfig) -> Callable[[], Any]:
+    """The plain torch loop (`torch_loop_round`)."""
+    return torch_loop_round(cfg.model, build_model(cfg.model), _torch_data(cfg), cfg.steps, cfg.lr)
+
+
+def build_torch_vmap(cfg: UserConfig) -> Callable[[], Any]:
+    """`torch.func.vmap` over clients (`torch_vmap_round`)."""
+    return torch_vmap_round(cfg.model, build_model(cfg.model), _torch_data(cfg), cfg.steps, cfg.lr)
 
 
 def build_pfl(cfg: UserConfig) -> Callable[[], Any]:
