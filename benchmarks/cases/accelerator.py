@@ -27,11 +27,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 from .. import harness, report
-from ..environment import LoadMeter
 from ..workloads import accelerator
 from ..workloads.accelerator import AcceleratorConfig
 from . import users_path
@@ -76,32 +74,14 @@ def _env(device: str) -> dict[str, str]:
 def _start(
     name: str, cfg: AcceleratorConfig, save: str, timeout_s: float
 ) -> tuple[users_path._Worker | None, dict[str, Any]]:
-    """Starts `name`'s worker, waits for its first round: (worker, facts) or (None, error)."""
+    """Starts `name`'s worker, waits for its first round (`users_path.start_worker`)."""
     spec = {
         "workload": "accelerator",
         "alternative": name,
         "config": dataclasses.asdict(cfg),
         "save": save,
     }
-    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the worker)
-    process = subprocess.Popen(
-        harness.fresh_process(sys.executable, "benchmarks.workers.users", json.dumps(spec)),
-        cwd=harness.PACKAGE_ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env=_env(cfg.device),
-    )
-    worker = users_path._Worker(name, process, stderr, {})
-    meter = LoadMeter()
-    try:
-        worker.ready = users_path._answer(worker, timeout_s)
-    except RuntimeError as err:
-        worker.release()
-        return None, {"error": str(err)}
-    load = meter.read(also_own_s=worker.ready["cpu_total_s"])
-    return worker, {**worker.ready, "other_cpus_busy": load["other_cpus_busy"]}
+    return users_path.start_worker(name, spec, timeout_s, env=_env(cfg.device))
 
 
 def count(cfg: AcceleratorConfig, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -136,30 +116,15 @@ def measure(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One row's later rounds and first rounds, with FLOPs, peaks and memory."""
     counted = count(cfg)
-    entries: dict[str, dict[str, Any]] = {}
-    workers: list[users_path._Worker] = []
-    request = f"round {TINY_CALLS}" if cfg.model == "tiny" else "round"
-    with tempfile.TemporaryDirectory() as tmp:
-        saved = {name: os.path.join(tmp, f"{i}.npz") for i, name in enumerate(alternatives)}
-        try:
-            for name in alternatives:
-                worker, first = _start(name, cfg, saved[name], timeout_s)
-                entries[name] = first
-                if worker is not None:
-                    workers.append(worker)
-            samples: dict[str, list[float]] = {w.name: [] for w in workers}
-            for index in range(rounds):
-                order = workers[index % len(workers) :] + workers[: index % len(workers)]
-                for worker in order:
-                    samples[worker.name].append(worker.request(request, timeout_s)["seconds"])
-        finally:
-            closed = {w.name: w.close() for w in workers}
-        reference = saved.get("torch_loop")
-        difference = {
-            w.name: users_path._difference(saved[w.name], reference)
-            for w in workers
-            if reference is not None and w.name != "torch_loop" and os.path.exists(reference)
-        }
+    runs = users_path.run_workers(
+        alternatives,
+        lambda name, save: _start(name, cfg, save, timeout_s),
+        rounds,
+        timeout_s,
+        request=f"round {TINY_CALLS}" if cfg.model == "tiny" else "round",
+        reference="torch_loop",
+    )
+    entries, samples, closed, difference = runs.entries, runs.samples, runs.closed, runs.difference
     baseline = "pure_jax" if "pure_jax" in alternatives else alternatives[0]
     timings = {
         name: harness.Timing(samples[name], TINY_CALLS if cfg.model == "tiny" else 1)

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import numpy as np
@@ -146,14 +146,27 @@ def _answer(worker: _Worker, timeout_s: float) -> dict[str, Any]:
 def _start(
     name: str, cfg: users.UserConfig, save: str, timeout_s: float
 ) -> tuple[_Worker | None, dict[str, Any]]:
-    """Starts `name`'s worker and waits for its first round: (worker, first-round facts), or
-    (None, {"error": why})."""
+    """Starts `name`'s worker and waits for its first round (`start_worker`)."""
     python = PFL_PYTHON if name == "pfl" else sys.executable
     if not os.path.exists(python):
         return None, {
             "error": f"not available: no pfl venv at {python} (create it as PFL_PYTHON says)"
         }
     spec = {"alternative": name, "config": dataclasses.asdict(cfg), "save": save}
+    return start_worker(name, spec, timeout_s, python=python)
+
+
+def start_worker(
+    name: str,
+    spec: dict[str, Any],
+    timeout_s: float,
+    *,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+) -> tuple[_Worker | None, dict[str, Any]]:
+    """Starts a `benchmarks.workers.users` process for `spec` and waits for its first round:
+    (worker, first-round facts and the CPUs other processes kept busy meanwhile), or
+    (None, {"error": why})."""
     stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the worker)
     process = subprocess.Popen(
         harness.fresh_process(python, "benchmarks.workers.users", json.dumps(spec)),
@@ -162,6 +175,7 @@ def _start(
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
+        env=env,
     )
     worker = _Worker(name, process, stderr, {})
     meter = LoadMeter()
@@ -174,14 +188,16 @@ def _start(
     return worker, {**worker.ready, "other_cpus_busy": load["other_cpus_busy"]}
 
 
-def _interleaved(workers: list[_Worker], rounds: int, timeout_s: float) -> Iterator[Any]:
-    """Yields (name, answer, load_1min, other_cpus_busy) for each requested round: `rounds`
-    rounds of every worker, the order rotating each time."""
+def _interleaved(
+    workers: list[_Worker], rounds: int, timeout_s: float, request: str
+) -> Iterator[Any]:
+    """Yields (name, answer, load_1min, other_cpus_busy) for each `request`: `rounds` of every
+    worker, the order rotating each time."""
     for index in range(rounds):
         order = workers[index % len(workers) :] + workers[: index % len(workers)]
         for worker in order:
             meter, load_1min = LoadMeter(), os.getloadavg()[0]
-            answer = worker.request("round", timeout_s)
+            answer = worker.request(request, timeout_s)
             other = meter.read(also_own_s=answer["cpu_s"])["other_cpus_busy"]
             yield worker.name, answer, load_1min, other
 
@@ -193,33 +209,65 @@ def _difference(path: str, reference: str) -> float:
         return max(float(np.abs(a[k] - b[k]).max()) for k in b.files)
 
 
-def measure(
-    cfg: users.UserConfig, alternatives: tuple[str, ...], rounds: int, timeout_s: float = 1800.0
-) -> tuple[dict[str, Any], dict[str, Any], harness.Comparison]:
-    """One round's rows (later rounds, first rounds) and the later rounds' comparison."""
+@dataclasses.dataclass
+class Runs:
+    """What `run_workers` saw: per alternative its first-round facts (`entries`), its later
+    calls' seconds and loads (those that started), what it said on quitting, and its
+    parameters' max |difference| from the reference's after the first round."""
+
+    entries: dict[str, dict[str, Any]]
+    samples: dict[str, list[float]]
+    loads: dict[str, list[dict[str, Any]]]
+    closed: dict[str, dict[str, Any]]
+    difference: dict[str, float]
+
+
+def run_workers(
+    alternatives: tuple[str, ...],
+    start: Callable[[str, str], tuple[_Worker | None, dict[str, Any]]],
+    rounds: int,
+    timeout_s: float,
+    *,
+    request: str = "round",
+    reference: str = BASELINE,
+) -> Runs:
+    """Starts each alternative's worker one at a time (`start(name, save_path)`), then asks
+    them for `rounds` of `request` interleaved, then closes them."""
     entries: dict[str, dict[str, Any]] = {}
     workers: list[_Worker] = []
     with tempfile.TemporaryDirectory() as tmp:
         saved = {name: os.path.join(tmp, f"{i}.npz") for i, name in enumerate(alternatives)}
         try:
             for name in alternatives:
-                worker, first = _start(name, cfg, saved[name], timeout_s)
+                worker, first = start(name, saved[name])
                 entries[name] = first
                 if worker is not None:
                     workers.append(worker)
             samples: dict[str, list[float]] = {w.name: [] for w in workers}
             loads: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workers}
-            for name, answer, load_1min, other in _interleaved(workers, rounds, timeout_s):
+            for name, answer, load_1min, other in _interleaved(workers, rounds, timeout_s, request):
                 samples[name].append(answer["seconds"])
                 loads[name].append({"load_1min": load_1min, "other_cpus_busy": other})
         finally:
             closed = {w.name: w.close() for w in workers}
-        reference = saved.get(BASELINE)
+        kept = saved.get(reference)
         difference = {
-            w.name: _difference(saved[w.name], reference)
+            w.name: _difference(saved[w.name], kept)
             for w in workers
-            if reference is not None and w.name != BASELINE and os.path.exists(reference)
+            if kept is not None and w.name != reference and os.path.exists(kept)
         }
+    return Runs(entries, samples, loads, closed, difference)
+
+
+def measure(
+    cfg: users.UserConfig, alternatives: tuple[str, ...], rounds: int, timeout_s: float = 1800.0
+) -> tuple[dict[str, Any], dict[str, Any], harness.Comparison]:
+    """One round's rows (later rounds, first rounds) and the later rounds' comparison."""
+    runs = run_workers(
+        alternatives, lambda name, save: _start(name, cfg, save, timeout_s), rounds, timeout_s
+    )
+    entries, samples, loads, closed = runs.entries, runs.samples, runs.loads, runs.closed
+    difference = runs.difference
     timings = {
         name: harness.Timing(samples[name], 1) if name in samples else harness.Timing(error=e)
         for name, e in ((n, entries[n].get("error")) for n in alternatives)
