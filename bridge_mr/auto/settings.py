@@ -45,9 +45,6 @@ AUTO_MIN_SECONDS = 0.005
 
 
 def as_read_now() -> list[object]:
-    """Every setting, as read now (a decision depends on them: its name on disk holds them)."""
-    return [
-        AUTO_CHUNK_SIZES, AUTO_MARGIN, AUTO_MEMORY_FACTOR, AUTO_MEMORY_FLOOR,
-        AUTO_GPU_MAX_CONV_GROUPS, AUTO_TIMING, AUTO_TIME_BOX, AUTO_REPEATS, AUTO_GIVE_UP,
-        AUTO_MIN_SECONDS,
-    ]  # fmt: skip
+    """Every `AUTO_*` setting, in definition order, as read now (a decision depends on them:
+    its name on disk holds them)."""
+    return [value for name, value in globals().items() if name.startswith("AUTO_")]

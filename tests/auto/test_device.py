@@ -124,3 +124,17 @@ def test_the_device_is_part_of_a_decisions_name_on_disk(monkeypatch):
         auto.forget_choices()
         _choose(_local_conv_steps, server, clients, device, monkeypatch)
     assert len(set(auto.directory().glob("*.json")) - before) == 2
+
+
+def test_every_setting_is_part_of_a_decisions_name_on_disk(monkeypatch):
+    monkeypatch.setenv(auto.DISK_SWITCH, "1")
+    server, clients = _cnn(50)
+    names = [name for name in vars(settings) if name.startswith("AUTO_")]
+    assert len(settings.as_read_now()) == len(names)
+    auto.forget_choices()
+    _choose(_local_conv_steps, server, clients, H200, monkeypatch)
+    before = set(auto.directory().glob("*.json"))
+    monkeypatch.setattr(settings, "AUTO_GPU_MAX_CONV_GROUPS", 32)  # the last one added
+    auto.forget_choices()
+    _choose(_local_conv_steps, server, clients, H200, monkeypatch)
+    assert len(set(auto.directory().glob("*.json")) - before) == 1
