@@ -77,13 +77,19 @@ def _floor_node() -> Any:
 
 
 def autograd_floor(
-    params: Mapping[str, Any], others: list[Any], out_shape: tuple[int, ...], cotangent: Any
+    params: Mapping[str, Any],
+    others: list[Any],
+    out_shape: tuple[int, ...],
+    cotangent: Any,
+    inside: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """torch's own cost of one bridge node over `params` (needing grads) and `others`.
 
     One custom autograd node with those tensor inputs and an output of `out_shape`, whose
-    forward and backward only allocate their results: floor + pure JAX bounds any bridge
-    from below.
+    forward and backward only allocate their results. With `inside` (the pure-JAX contestant),
+    that call runs between the node's forward and its backward: the work of both in one call,
+    torch's and JAX's code sharing the caches as they do in any bridge's call, which the sum of
+    the two measured apart leaves out.
     """
     import torch
 
@@ -94,13 +100,16 @@ def autograd_floor(
     def floor() -> None:
         for p in params.values():
             p.grad = None
-        torch.autograd.backward(node.apply(shapes, *tensors), cotangent)
+        output = node.apply(shapes, *tensors)
+        if inside is not None:
+            inside()
+        torch.autograd.backward(output, cotangent)
 
     return floor
 
 
 def map_reduce_contestants(clients: int, width: int, batch: int) -> dict[str, Callable[[], Any]]:
-    """FedSGD forward+backward (mean client loss, gradients) four ways, no optimizer step.
+    """FedSGD forward+backward (mean client loss, gradients) five ways, no optimizer step.
 
     The contestants return None: each waits for its own results, and the per-call cost of
     syncing returned trees would add to what these rows measure.
@@ -108,6 +117,7 @@ def map_reduce_contestants(clients: int, width: int, batch: int) -> dict[str, Ca
     "bridge map_reduce": `bridge_mr.map_reduce` from torch, gradients left in `.grad`;
     "pure JAX": `jax.jit(jax.value_and_grad(...))` of the same `bridge_mr.jax_core` program;
     "torch autograd floor": `autograd_floor` with the bridge's inputs and output;
+    "floor + pure JAX in one call": that floor with the pure JAX call inside;
     "pure torch loop": the same MLP in torch, a Python loop over the clients.
     """
     import jax
@@ -155,18 +165,22 @@ def map_reduce_contestants(clients: int, width: int, batch: int) -> dict[str, Ca
         "bridge map_reduce": bridge,
         "pure JAX": pure_jax,
         "torch autograd floor": autograd_floor(t_params, list(t_data.values()), (), None),
+        "floor + pure JAX in one call": autograd_floor(
+            t_params, list(t_data.values()), (), None, pure_jax
+        ),
         "pure torch loop": pure_torch,
     }
 
 
 def torch_function_contestants(width: int, batch: int) -> dict[str, Callable[[], Any]]:
-    """The MLP's forward+backward with a [batch, 1] output (residuals saved), four ways.
+    """The MLP's forward+backward with a [batch, 1] output (residuals saved), five ways.
 
     The contestants return None, as `map_reduce_contestants`' do.
 
     "bridge torch_function": `bridge_mr.torch_function(overhead_mlp)`, VJP in backward;
     "pure JAX pair": the jitted forward-with-VJP, then the jitted VJP;
     "torch autograd floor": `autograd_floor` with the bridge's inputs and output;
+    "floor + pure JAX in one call": that floor with the pure JAX pair inside;
     "pure torch": the same MLP in torch.
     """
     import jax
@@ -210,5 +224,6 @@ def torch_function_contestants(width: int, batch: int) -> dict[str, Callable[[],
         "bridge torch_function": bridge,
         "pure JAX pair": pure_jax,
         "torch autograd floor": autograd_floor(t_params, [t_x], (batch, 1), t_ct),
+        "floor + pure JAX in one call": autograd_floor(t_params, [t_x], (batch, 1), t_ct, pure_jax),
         "pure torch": pure_torch,
     }
