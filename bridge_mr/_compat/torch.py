@@ -19,6 +19,7 @@ __all__ = [
     "autograd_apply",
     "dispatches_to_python",
     "flatten_dense_tensors",
+    "foreach_copy",
     "forward_ad_active",
     "functional_inner",
     "functorch_transforms_active",
@@ -45,6 +46,10 @@ functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transf
 flatten_dense_tensors: Callable[[list[torch.Tensor]], torch.Tensor] = (
     torch._C._nn.flatten_dense_tensors
 )
+
+#: `torch._foreach_copy_`: copies each source tensor into its destination (same shapes; dtypes
+#: and devices converted), one dispatcher call for the whole list. torch 2.9 - 2.13.
+foreach_copy: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] = torch._foreach_copy_  # pyright: ignore[reportPrivateImportUsage]
 
 #: `torch._C._from_dlpack`: a tensor sharing a DLPack capsule's memory, without the
 #: `__dlpack__` protocol negotiation of `torch.from_dlpack`. torch 2.9 - 2.13.

@@ -20,6 +20,7 @@ from bridge_mr.dlpack import export_arrays, jit_arguments
 
 from . import _disk
 from ._protocols import Jitted
+from ._staging import Staging, staging_for
 
 # Small tensors of one dtype cross together in one shared buffer: importing a tensor costs more
 # than copying a small one (benchmarks/results/NOTES.md, "packing").
@@ -104,6 +105,9 @@ class DlpackRunner:
         self._clears = jax_compat.clear_counter()
         self._compiled_at: int | None = None
         self._poll = True
+        # Decided after the first call that ran with outputs to wait for (`_staging`).
+        self._staging: Staging | None = None
+        self._staging_decided = not self._groups or self._replicated is not None
 
     def _unpacking(self, *flat: jax.Array) -> list[jax.Array]:
         n_in = len(self._groups) + len(self._singles)
@@ -126,28 +130,56 @@ class DlpackRunner:
     def __call__(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
+        staging = self._staging
+        staged = None if staging is None else staging.fill(tensors)
+        try:
+            outputs = self._execute(tensors, carried, staged)
+        finally:
+            if staged is not None:
+                cast(Staging, staging).lock.release()
+        if not self._staging_decided and outputs:
+            self._staging_decided = True
+            device = jax_compat.single_devices(outputs[:1])[0]
+            self._staging = staging_for(self._groups, self._in_avals, tensors, device)
+        n = self._n_exported
+        # Fresh outputs that only this runner holds, and drops.
+        return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
+
+    def _execute(
+        self,
+        tensors: Sequence[torch.Tensor],
+        carried: Sequence[Any],
+        staged: list[jax.Array] | None,
+    ) -> list[Any]:
+        """Runs the program and waits for it; `staged`: the packed groups, already in JAX."""
         # Loops, not comprehensions: each comprehension is a Python call, on every call.
         crossing = []
-        for group in self._groups:
-            members = []
-            for i in group:
-                members.append(tensors[i])
-            crossing.append(torch_compat.flatten_dense_tensors(members))
+        if staged is None:
+            for group in self._groups:
+                members = []
+                for i in group:
+                    members.append(tensors[i])
+                crossing.append(torch_compat.flatten_dense_tensors(members))
         for i in self._singles:
             crossing.append(tensors[i])
-        arrays = jit_arguments(crossing, names=self._crossing_names)
+        if staged is None:
+            arrays = jit_arguments(crossing, names=self._crossing_names)
+        elif crossing:
+            names = self._crossing_names[len(self._groups) :]
+            arrays = [*staged, *jit_arguments(crossing, names=names)]
+        else:
+            arrays = staged
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
         if self._compiled_at != self._clears.count:
             self._compile([*arrays, *carried])
         outputs = self._run(*arrays, *carried)
         if outputs:
-            # JAX dispatch is asynchronous and the inputs alias torch memory: the caller may
-            # write to them as soon as we return. All outputs of one execution complete together.
+            # JAX dispatch is asynchronous and the inputs alias torch memory (or the staging
+            # buffers): the caller may write to them as soon as we return. All outputs of one
+            # execution complete together.
             self._wait(outputs[0])
-        n = self._n_exported
-        # Fresh outputs that only this runner holds, and drops.
-        return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
+        return outputs
 
     def _compile(self, args: list[Any]) -> None:
         self._compiled_at = self._clears.count

@@ -1,0 +1,100 @@
+"""Staging buffers: small CPU inputs copied into memory that JAX has already imported.
+
+A call of a `DlpackRunner` packs its small same-dtype inputs into one buffer per dtype. On the
+CPU that buffer need not be new on every call: a runner keeps one torch buffer per group,
+imports each into JAX once (a `jax.Array` sharing its memory), and copies the group's tensors
+into it with one `torch._foreach_copy_`. The program then takes arrays that JAX already holds,
+instead of a fresh torch allocation that JAX imports on every call (benchmarks/results/NOTES.md,
+"staging": ~20-35 us per call of the tiny `map_reduce`).
+
+JAX assumes its arrays never change; these change only between executions: a call fills the
+buffers, runs, waits for its outputs (all outputs of one execution complete together, after
+every read of its inputs) and only then lets the next call fill them (`lock`). A call that
+finds them taken (another thread's call in flight) packs fresh buffers as before.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import torch
+
+from bridge_mr._compat import torch as torch_compat
+from bridge_mr._dtypes import Aval, torch_dtype
+from bridge_mr.dlpack import import_tensors
+
+
+class Staging:
+    """One imported CPU buffer per packed group of a runner's inputs.
+
+    Args:
+      groups: the runner's packed groups (indices of its tensor inputs).
+      arrays: the JAX arrays that share the buffers' memory, one per group.
+      views: one view of a buffer per member of the groups, in their order, shaped as the
+        member.
+    """
+
+    def __init__(
+        self,
+        groups: tuple[tuple[int, ...], ...],
+        arrays: list[jax.Array],
+        views: list[torch.Tensor],
+    ) -> None:
+        self.arrays = arrays
+        self.lock = threading.Lock()
+        self._order = [i for group in groups for i in group]
+        self._views = views
+
+    def fill(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array] | None:
+        """The group arrays holding `tensors`' values, the lock held; None where it is taken
+        (the caller packs fresh buffers). The caller releases `lock` once its outputs are ready."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            members = []
+            for i in self._order:
+                members.append(tensors[i])
+            torch_compat.foreach_copy(self._views, members)
+        except BaseException:
+            self.lock.release()
+            raise
+        return self.arrays
+
+
+def staging_for(
+    groups: tuple[tuple[int, ...], ...],
+    in_avals: Sequence[Aval],
+    tensors: Sequence[torch.Tensor],
+    device: Any,
+) -> Staging | None:
+    """A `Staging` for a runner whose last call ran on the JAX CPU `device` with these
+    `tensors`, or None where the groups' tensors are not all plain CPU tensors or JAX would not
+    share the buffers' memory on that device."""
+    if device is None or getattr(device, "platform", None) != "cpu":
+        return None
+    for group in groups:
+        for i in group:
+            tensor = tensors[i]
+            if type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
+                return None
+    buffers: list[torch.Tensor] = []
+    views: list[torch.Tensor] = []
+    # An inference tensor (made under torch.inference_mode) could not be written outside it.
+    with torch.inference_mode(False):
+        for group in groups:
+            sizes = [math.prod(in_avals[i][0]) for i in group]
+            buffer = torch.empty(sum(sizes), dtype=torch_dtype(in_avals[group[0]][1]))
+            offset = 0
+            for i, size in zip(group, sizes, strict=True):
+                views.append(buffer[offset : offset + size].view(in_avals[i][0]))
+                offset += size
+            buffers.append(buffer)
+    arrays = import_tensors(buffers)
+    for array, buffer in zip(arrays, buffers, strict=True):
+        if array.unsafe_buffer_pointer() != buffer.data_ptr() or array.devices() != {device}:
+            return None
+    return Staging(groups, arrays, views)
