@@ -21,11 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval, torch_dtype
-from bridge_mr.dlpack import import_tensors
+from bridge_mr.dlpack import jit_arguments
 
 
 class Staging:
@@ -93,8 +94,17 @@ def staging_for(
                 views.append(buffer[offset : offset + size].view(in_avals[i][0]))
                 offset += size
             buffers.append(buffer)
-    arrays = import_tensors(buffers)
-    for array, buffer in zip(arrays, buffers, strict=True):
+    # As the first call passed its packed buffers (`jit_arguments`: a numpy view on the CPU,
+    # which jit places uncommitted; else an imported array): a committed array where the
+    # program was compiled for uncommitted ones would make jax.jit compile it again.
+    arrays = []
+    for crossing, buffer in zip(jit_arguments(buffers), buffers, strict=True):
+        array = (
+            jax.device_put(crossing, may_alias=True)
+            if isinstance(crossing, np.ndarray)
+            else crossing
+        )
         if array.unsafe_buffer_pointer() != buffer.data_ptr() or array.devices() != {device}:
             return None
+        arrays.append(array)
     return Staging(groups, arrays, views)
