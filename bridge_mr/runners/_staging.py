@@ -59,7 +59,12 @@ class Staging:
             members = []
             for i in self._order:
                 members.append(tensors[i])
-            torch_compat.foreach_copy(self._views, members)
+            if torch.is_grad_enabled():
+                # A copy from a tensor that requires grad would record itself on the buffers.
+                with torch.no_grad():
+                    torch_compat.foreach_copy(self._views, members)
+            else:
+                torch_compat.foreach_copy(self._views, members)
         except BaseException:
             self.lock.release()
             raise

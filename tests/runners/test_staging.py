@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ def _inputs(seed: int) -> list[torch.Tensor]:
 
 
 def _want(tensors):
-    return [np.asarray(a) for a in _weighted(*(jnp.asarray(t.numpy()) for t in tensors))]
+    return [np.asarray(a) for a in _weighted(*(jnp.asarray(t.detach().numpy()) for t in tensors))]
 
 
 def test_a_repeated_call_imports_only_what_is_not_packed_and_reads_new_values():
@@ -132,3 +134,21 @@ def test_the_program_compiles_once_over_calls_that_stage(monkeypatch, on_disk):
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert len(compiles) == 1
+
+
+def test_inputs_that_require_grad_leave_no_graph_on_the_buffers():
+    # Called in grad mode, as a caller below autograd would not: a copy recorded on the
+    # buffers would keep the inputs' graph (and what it saved, `scale`) alive.
+    run = runners.runner_for("cpu", jax.jit(_weighted), _avals(_inputs(0)), 2, None)
+    refs = []
+    for seed in range(3):
+        tensors = _inputs(seed)
+        scale = torch.full((3, 4), 2.0)
+        refs.append(weakref.ref(scale))
+        tensors[0] = tensors[0].requires_grad_() * scale
+        got, _ = run(tensors, [])
+        assert not any(t.requires_grad for t in got)
+        np.testing.assert_allclose(got[0].numpy(), _want(tensors)[0], rtol=1e-6)
+        del tensors, scale
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
