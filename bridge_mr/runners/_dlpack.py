@@ -131,12 +131,14 @@ class DlpackRunner:
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
         staging = self._staging
-        staged = None if staging is None else staging.fill(tensors)
+        staged = None
         try:
+            if staging is not None and staging.fill(tensors):
+                staged = staging
             outputs = self._execute(tensors, carried, staged)
         finally:
             if staged is not None:
-                cast(Staging, staging).lock.release()
+                staged.lock.release()
         if not self._staging_decided and outputs:
             self._staging_decided = True
             device = jax_compat.single_devices(outputs[:1])[0]
@@ -146,10 +148,7 @@ class DlpackRunner:
         return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
 
     def _execute(
-        self,
-        tensors: Sequence[torch.Tensor],
-        carried: Sequence[Any],
-        staged: list[jax.Array] | None,
+        self, tensors: Sequence[torch.Tensor], carried: Sequence[Any], staged: Staging | None
     ) -> list[Any]:
         """Runs the program and waits for it; `staged`: the packed groups, already in JAX."""
         # Loops, not comprehensions: each comprehension is a Python call, on every call.
@@ -166,13 +165,15 @@ class DlpackRunner:
             arrays = jit_arguments(crossing, names=self._crossing_names)
         elif crossing:
             names = self._crossing_names[len(self._groups) :]
-            arrays = [*staged, *jit_arguments(crossing, names=names)]
+            arrays = [*staged.arrays, *jit_arguments(crossing, names=names)]
         else:
-            arrays = staged
+            arrays = staged.arrays
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
         if self._compiled_at != self._clears.count:
-            self._compile([*arrays, *carried])
+            # Lowered with what the first call passed, so the program's name on disk matches.
+            given = arrays if staged is None else [*staged.crossing, *arrays[len(self._groups) :]]
+            self._compile([*given, *carried])
         outputs = self._run(*arrays, *carried)
         if outputs:
             # JAX dispatch is asynchronous and the inputs alias torch memory (or the staging

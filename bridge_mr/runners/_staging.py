@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
 import torch
 
+from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval, torch_dtype
 from bridge_mr.dlpack import jit_arguments
@@ -34,31 +35,47 @@ class Staging:
 
     Args:
       groups: the runner's packed groups (indices of its tensor inputs).
+      crossing: the groups' buffers as the runner's first call passed them to JAX (numpy views
+        or imported arrays: what a compile after `jax.clear_caches()` lowers with).
       arrays: the JAX arrays that share the buffers' memory, one per group.
       views: one view of a buffer per member of the groups, in their order, shaped as the
         member.
+      placement: JAX's default device and host-to-device transfer guard when the buffers were
+        placed: under others the runner's other inputs may go elsewhere, so it packs fresh
+        buffers, as the first call did.
     """
 
     def __init__(
         self,
         groups: tuple[tuple[int, ...], ...],
+        crossing: list[Any],
         arrays: list[jax.Array],
         views: list[torch.Tensor],
+        placement: tuple[Any, Any],
     ) -> None:
+        self.crossing = crossing
         self.arrays = arrays
         self.lock = threading.Lock()
         self._order = [i for group in groups for i in group]
         self._views = views
+        self._placement = placement
 
-    def fill(self, tensors: Sequence[torch.Tensor]) -> list[jax.Array] | None:
-        """The group arrays holding `tensors`' values, the lock held; None where it is taken
-        (the caller packs fresh buffers). The caller releases `lock` once its outputs are ready."""
-        if not self.lock.acquire(blocking=False):
-            return None
+    def fill(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Copies `tensors`' group members into the buffers and returns True with `lock` held
+        (the caller releases it once its outputs are ready); False where the lock is taken, a
+        member is not a plain tensor (a subclass, such as a cotangent autograd hands over, must
+        meet the fresh path's checks) or JAX's placement changed: the caller packs fresh
+        buffers."""
+        if _placement() != self._placement or not self.lock.acquire(blocking=False):
+            return False
         try:
             members = []
             for i in self._order:
-                members.append(tensors[i])
+                member = tensors[i]
+                if type(member) is not torch.Tensor:
+                    self.lock.release()
+                    return False
+                members.append(member)
             if torch.is_grad_enabled():
                 # A copy from a tensor that requires grad would record itself on the buffers.
                 with torch.no_grad():
@@ -68,7 +85,22 @@ class Staging:
         except BaseException:
             self.lock.release()
             raise
-        return self.arrays
+        return True
+
+
+def _placement() -> tuple[Any, Any]:
+    """What decides where jax.jit places a runner's uncommitted inputs (`jit_arguments` reads
+    the same): the default device and the host-to-device transfer guard."""
+    return jax_compat.default_device(), _JAX_CONFIG.jax_transfer_guard_host_to_device
+
+
+class _TransferGuardConfig(Protocol):
+    jax_transfer_guard_host_to_device: str | None
+
+
+# jax registers its options as properties of `jax.config`'s class at run time: that class, as
+# jax declares it, has none of them.
+_JAX_CONFIG = cast(_TransferGuardConfig, jax.config)
 
 
 def staging_for(
@@ -89,27 +121,27 @@ def staging_for(
                 return None
     buffers: list[torch.Tensor] = []
     views: list[torch.Tensor] = []
-    # An inference tensor (made under torch.inference_mode) could not be written outside it.
+    # An inference tensor (made under torch.inference_mode) could not be written outside it;
+    # `device`: not torch's default device (`torch.set_default_device`, `with torch.device`).
     with torch.inference_mode(False):
         for group in groups:
             sizes = [math.prod(in_avals[i][0]) for i in group]
-            buffer = torch.empty(sum(sizes), dtype=torch_dtype(in_avals[group[0]][1]))
+            dtype = torch_dtype(in_avals[group[0]][1])
+            buffer = torch.empty(sum(sizes), dtype=dtype, device="cpu")
             offset = 0
             for i, size in zip(group, sizes, strict=True):
                 views.append(buffer[offset : offset + size].view(in_avals[i][0]))
                 offset += size
             buffers.append(buffer)
+    placement = _placement()
     # As the first call passed its packed buffers (`jit_arguments`: a numpy view on the CPU,
     # which jit places uncommitted; else an imported array): a committed array where the
     # program was compiled for uncommitted ones would make jax.jit compile it again.
+    crossing = list(jit_arguments(buffers))
     arrays = []
-    for crossing, buffer in zip(jit_arguments(buffers), buffers, strict=True):
-        array = (
-            jax.device_put(crossing, may_alias=True)
-            if isinstance(crossing, np.ndarray)
-            else crossing
-        )
+    for given, buffer in zip(crossing, buffers, strict=True):
+        array = jax.device_put(given, may_alias=True) if isinstance(given, np.ndarray) else given
         if array.unsafe_buffer_pointer() != buffer.data_ptr() or array.devices() != {device}:
             return None
         arrays.append(array)
-    return Staging(groups, arrays, views)
+    return Staging(groups, crossing, arrays, views, placement)

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
+import bridge_mr
 from bridge_mr import dlpack, runners
 
 F32, I32 = np.dtype("float32"), np.dtype("int32")
@@ -152,3 +154,37 @@ def test_inputs_that_require_grad_leave_no_graph_on_the_buffers():
         del tensors, scale
     gc.collect()
     assert [ref() for ref in refs] == [None, None, None]
+
+
+def test_a_subclass_cotangent_after_staged_backwards_is_refused_as_before():
+    # The backward runner's inputs are cotangents that autograd hands over, which no key
+    # checks: a `__torch_dispatch__` subclass must meet the fresh path's check, not be copied.
+    pair = bridge_mr.torch_function(lambda x, w: (x * w, x * 2 * w))
+    x, w = torch.randn(3, requires_grad=True), torch.randn(3)
+    for _ in range(2):
+        torch.autograd.backward(pair(x, w), [torch.ones(3), torch.ones(3)])
+    cotangents = [TwoTensor(torch.ones(3), torch.full((3,), 5.0)) for _ in range(2)]
+    with pytest.raises(TypeError, match="got a TwoTensor, a tensor subclass with __torch_disp"):
+        torch.autograd.backward(pair(x, w), cotangents)
+
+
+def test_torch_default_device_does_not_reach_the_buffers():
+    f = bridge_mr.torch_function(lambda x, w: (x * w).sum())
+    x, w = torch.randn(3), torch.randn(3)
+    with torch.device("meta"):
+        for _ in range(3):
+            torch.testing.assert_close(f(x, w), (x * w).sum())
+
+
+def test_a_transfer_guard_after_staging_on_another_default_device(monkeypatch):
+    # Under the guard the runner's other inputs are imported onto device 0; the buffers,
+    # placed on device 1 without it, would have to move, which the guard refuses. Off disk:
+    # a program kept on disk is compiled for device 1's placement and refuses device 0's.
+    monkeypatch.setenv("BRIDGE_MR_COMPILATION_CACHE", "0")
+    f = bridge_mr.torch_function(lambda x, w, ids: (x * w).sum() + ids.sum().astype(jnp.float32))
+    x, w, ids = torch.randn(3), torch.randn(3), torch.arange(4, dtype=torch.int32)
+    with jax.default_device(jax.devices("cpu")[1]):
+        for _ in range(2):
+            f(x, w, ids)
+        with jax.transfer_guard("disallow"):
+            torch.testing.assert_close(f(x, w, ids), (x * w).sum() + ids.sum())
