@@ -2,6 +2,7 @@
 
     python -m benchmarks [--quick] [--cases NAME ...] [--out DIR] (see --help for filters)
     python -m benchmarks --cases accelerator --device cuda   (issue 31's rows on a GPU)
+    python -m benchmarks --cases overhead --device cuda      (the cost of one call on a GPU)
 
 Prints a table per case and the targets, and writes results.json, results.md and PNG plots to
 --out (default benchmarks/results, or benchmarks/results/quick with --quick). Run from the
@@ -88,7 +89,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="accelerator case: where the tensors live (cuda: torch's and JAX's CUDA devices)",
+        help="accelerator and overhead cases: where the tensors live (cuda: torch's and JAX's "
+        "CUDA devices)",
     )
     parser.add_argument(
         "--memory",
@@ -164,9 +166,34 @@ def _markdown(document: dict[str, Any], cases: list[report.CaseResult], plots: l
     return "\n".join(lines)
 
 
+def _cuda_missing() -> str | None:
+    """Why `--device cuda` cannot run here (torch or JAX without a CUDA device), or None."""
+    import jax
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is "
+            "False). Fix: run on a machine with an NVIDIA GPU and a CUDA build of torch."
+        )
+    try:
+        jax.devices("cuda")
+    except RuntimeError as err:
+        return (
+            f"JAX {jax.__version__} has no CUDA backend ({err}). Fix: pip install "
+            '"jax[cuda13]" (the CUDA major version of your torch build), see the README.'
+        )
+    return None
+
+
 def main(argv: list[str]) -> int:
     """Runs the selected cases and writes the results; returns the exit status."""
     args = _parse(argv)
+    if args.device == "cuda":
+        missing = _cuda_missing()
+        if missing:
+            print(f"python -m benchmarks --device cuda: {missing}", file=sys.stderr)
+            return 2
     logging.getLogger("absl").setLevel(logging.ERROR)  # drjax logs per trace without a mesh.
     if args.sync_dispatch:
         import jax

@@ -368,7 +368,7 @@ class Context:
       xla: federated cases: add torch-xla rows where a torch-xla environment exists.
       round_alternatives: model-round cases ("cnn", "lm"): the alternatives asked for (None:
         all of `workloads.round_alternatives()`).
-      device: the "accelerator" case: where the tensors live, "cpu" or "cuda".
+      device: the "accelerator" and "overhead" cases: where the tensors live, "cpu" or "cuda".
       rounds: the "accelerator" case: later rounds per alternative (None: the case's own).
     """
 

@@ -43,6 +43,13 @@ bench_row cnn_c50 55 cnn 50 torch_loop torch_vmap bridge_mr bridge_mr:vmap bridg
 bench_row cnn_c500 60 cnn 500 torch_loop torch_vmap bridge_mr bridge_mr:vmap pure_jax
 bench_row gpt2_c16 45 gpt2_128 16 torch_loop torch_vmap bridge_mr bridge_mr:vmap pure_jax
 bench_row gpt2_c128 50 gpt2_128 128 torch_loop torch_vmap bridge_mr bridge_mr:vmap pure_jax
+# The cost of one call on CUDA (issue 31, item 4: the bridge's own share, above torch's floor
+# with the pure JAX call inside it), its tables in "$OUT/overhead/".
+mkdir -p "$OUT/overhead"
+timeout -k 10 60 python3 -m benchmarks --cases overhead --device cuda --no-plots --memory none \
+  --out "$OUT/overhead" > "$OUT/overhead/log.txt" 2>&1
+overhead_status=$?
+echo "overhead (cuda): exit $overhead_status (limit 60s)"
 echo "dlpack: $dlpack_status, torch_api cuda: $torch_status, from_torch cuda: $from_torch_status," \
-  "accelerator rows: $bench_status"
-exit $(( dlpack_status || torch_status || from_torch_status || bench_status ))
+  "accelerator rows: $bench_status, overhead: $overhead_status"
+exit $(( dlpack_status || torch_status || from_torch_status || bench_status || overhead_status ))

@@ -16,29 +16,29 @@ from typing import Any
 from .. import harness, report, workloads
 
 #: (row id, params, contestants, targets as (reference prefix, threshold)).
-ROWS: list[tuple[str, dict[str, int], Callable[[], dict[str, Any]], list[tuple[str, float]]]] = [
+ROWS: list[tuple[str, dict[str, int], Callable[[str], dict[str, Any]], list[tuple[str, float]]]] = [
     (
         "map_reduce fedsgd tiny",
         {"clients": 4, "width": 8, "batch": 16},
-        lambda: workloads.map_reduce_contestants(4, 8, 16),
+        lambda device: workloads.map_reduce_contestants(4, 8, 16, device),
         [("pure JAX", 2.5), ("pure torch", 1.0)],
     ),
     (
         "map_reduce fedsgd medium",
         {"clients": 64, "width": 256, "batch": 32},
-        lambda: workloads.map_reduce_contestants(64, 256, 32),
+        lambda device: workloads.map_reduce_contestants(64, 256, 32, device),
         [("pure JAX", 1.10)],
     ),
     (
         "torch_function mlp tiny",
         {"width": 8, "batch": 16},
-        lambda: workloads.torch_function_contestants(8, 16),
+        lambda device: workloads.torch_function_contestants(8, 16, device),
         [("pure JAX", 2.5)],
     ),
     (
         "torch_function mlp 1024-wide",
         {"width": 1024, "batch": 64},
-        lambda: workloads.torch_function_contestants(1024, 64),
+        lambda device: workloads.torch_function_contestants(1024, 64, device),
         [],
     ),
 ]
@@ -74,14 +74,14 @@ _TOGETHER = "floor + pure JAX in one call"
 def _row(
     ctx: harness.Context,
     case: report.CaseResult,
-    spec: tuple[str, dict[str, int], Callable[[], dict[str, Any]], list[tuple[str, float]]],
+    spec: tuple[str, dict[str, int], Callable[[str], dict[str, Any]], list[tuple[str, float]]],
 ) -> None:
     """One of `ROWS`: its comparison, its targets, and the lower-bound note."""
     row_id, params, make, targets = spec
-    contestants = make()
+    contestants = make(ctx.device)
     jax_name = _named(contestants, "pure JAX")
     comparison = harness.compare(contestants, baseline=jax_name, policy=ctx.policy)
-    row = report.comparison_row(comparison, row_id, params)
+    row = report.comparison_row(comparison, row_id, {**params, "device": ctx.device})
     case.rows.append(row)
     bridge = _named(contestants, "bridge")
     for prefix, threshold in targets:

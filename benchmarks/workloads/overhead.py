@@ -53,15 +53,16 @@ def overhead_data(
     return as32(params), as32(data)
 
 
-def _floor_node() -> Any:
-    """An autograd node that computes nothing: forward and backward only allocate results."""
+def _floor_node(device: str | None) -> Any:
+    """An autograd node that computes nothing: forward and backward only allocate results (on
+    `device`; None: torch's default)."""
     import torch
 
     class FloorNode(torch.autograd.Function):
         @staticmethod
         def forward(shapes: Any, *tensors: torch.Tensor) -> torch.Tensor:
             del tensors  # Unused.
-            return torch.empty(shapes[0])
+            return torch.empty(shapes[0], device=device)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -71,7 +72,10 @@ def _floor_node() -> Any:
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
             del grad  # Unused.
-            return (None, *(None if s is None else torch.empty(s) for s in ctx.shapes[1:]))
+            return (
+                None,
+                *(None if s is None else torch.empty(s, device=device) for s in ctx.shapes[1:]),
+            )
 
     return FloorNode
 
@@ -113,7 +117,8 @@ def autograd_floor(
     """
     import torch
 
-    node = _floor_node()
+    device = next(iter(params.values())).device
+    node = _floor_node(None if device.type == "cpu" else str(device))
     shapes = (out_shape, *(tuple(p.shape) for p in params.values()), *(None for _ in others))
     tensors = [*params.values(), *others]
 
@@ -125,11 +130,39 @@ def autograd_floor(
             inside()
         torch.autograd.backward(output, cotangent)
 
-    return floor
+    return synced(floor, device.type)
 
 
-def map_reduce_contestants(clients: int, width: int, batch: int) -> dict[str, Callable[[], Any]]:
-    """FedSGD forward+backward (mean client loss, gradients) five ways, no optimizer step.
+def synced(contestant: Callable[[], None], device_type: str) -> Callable[[], None]:
+    """`contestant`, then a wait for the CUDA work it queued (on the CPU: `contestant` itself):
+    each contestant returns once its results are computed."""
+    if device_type != "cuda":
+        return contestant
+    import torch
+
+    def waited() -> None:
+        contestant()
+        torch.cuda.synchronize()
+
+    return waited
+
+
+def _placed(tree: Mapping[str, Any], device_type: str) -> dict[str, Any]:
+    """numpy arrays as JAX arrays on JAX's first device of `device_type` ("cpu": the default)."""
+    import jax
+    import jax.numpy as jnp
+
+    if device_type == "cpu":
+        return {k: jnp.asarray(v) for k, v in tree.items()}
+    target = jax.devices(device_type)[0]
+    return {k: jax.device_put(v, target) for k, v in tree.items()}
+
+
+def map_reduce_contestants(
+    clients: int, width: int, batch: int, device: str = "cpu"
+) -> dict[str, Callable[[], Any]]:
+    """FedSGD forward+backward (mean client loss, gradients) five ways, no optimizer step, with
+    the tensors and arrays on `device` ("cpu" or "cuda").
 
     The contestants return None: each waits for its own results, and the per-call cost of
     syncing returned trees would add to what these rows measure.
@@ -141,17 +174,15 @@ def map_reduce_contestants(clients: int, width: int, batch: int) -> dict[str, Ca
     "pure torch loop": the same MLP in torch, a Python loop over the clients.
     """
     import jax
-    import jax.numpy as jnp
     import torch
 
     import bridge_mr
     from bridge_mr import jax_core
 
     params_np, data_np = overhead_data(clients, width, batch)
-    t_params = {k: torch.tensor(v, requires_grad=True) for k, v in params_np.items()}
-    t_data = {k: torch.tensor(v) for k, v in data_np.items()}
-    j_params = {k: jnp.asarray(v) for k, v in params_np.items()}
-    j_data = {k: jnp.asarray(v) for k, v in data_np.items()}
+    t_params = {k: torch.tensor(v, requires_grad=True, device=device) for k, v in params_np.items()}
+    t_data = {k: torch.tensor(v, device=device) for k, v in data_np.items()}
+    j_params, j_data = _placed(params_np, device), _placed(data_np, device)
 
     def bridge() -> None:
         for p in t_params.values():
@@ -185,18 +216,21 @@ def map_reduce_contestants(clients: int, width: int, batch: int) -> dict[str, Ca
         (total / clients).backward()
 
     return {
-        "bridge map_reduce": bridge,
+        "bridge map_reduce": synced(bridge, device),
         "pure JAX": pure_jax,
         "torch autograd floor": autograd_floor(t_params, list(t_data.values()), (), None),
         "floor + pure JAX in one call": autograd_floor(
             t_params, list(t_data.values()), (), None, polled(pure_jax_call)
         ),
-        "pure torch loop": pure_torch,
+        "pure torch loop": synced(pure_torch, device),
     }
 
 
-def torch_function_contestants(width: int, batch: int) -> dict[str, Callable[[], Any]]:
-    """The MLP's forward+backward with a [batch, 1] output (residuals saved), five ways.
+def torch_function_contestants(
+    width: int, batch: int, device: str = "cpu"
+) -> dict[str, Callable[[], Any]]:
+    """The MLP's forward+backward with a [batch, 1] output (residuals saved), five ways, on
+    `device` ("cpu" or "cuda").
 
     The contestants return None, as `map_reduce_contestants`' do.
 
@@ -207,19 +241,19 @@ def torch_function_contestants(width: int, batch: int) -> dict[str, Callable[[],
     "pure torch": the same MLP in torch.
     """
     import jax
-    import jax.numpy as jnp
     import torch
 
     import bridge_mr
 
     params_np, data_np = overhead_data(1, width, batch)
-    t_params = {k: torch.tensor(v, requires_grad=True) for k, v in params_np.items()}
-    t_x = torch.tensor(data_np["x"][0])
-    j_params = {k: jnp.asarray(v) for k, v in params_np.items()}
-    j_x = jnp.asarray(data_np["x"][0])
+    t_params = {k: torch.tensor(v, requires_grad=True, device=device) for k, v in params_np.items()}
+    t_x = torch.tensor(data_np["x"][0], device=device)
+    j_params = _placed(params_np, device)
+    j_x, j_ct = _placed(
+        {"x": data_np["x"][0], "ct": np.ones((batch, 1), np.float32)}, device
+    ).values()
     f = bridge_mr.torch_function(overhead_mlp)
-    t_ct = torch.ones(batch, 1)
-    j_ct = jnp.ones((batch, 1), jnp.float32)
+    t_ct = torch.ones(batch, 1, device=device)
 
     def bridge() -> None:
         for p in t_params.values():
@@ -248,11 +282,11 @@ def torch_function_contestants(width: int, batch: int) -> dict[str, Callable[[],
         _overhead_torch_mlp(t_params, t_x).backward(t_ct)
 
     return {
-        "bridge torch_function": bridge,
+        "bridge torch_function": synced(bridge, device),
         "pure JAX pair": pure_jax,
         "torch autograd floor": autograd_floor(t_params, [t_x], (batch, 1), t_ct),
         "floor + pure JAX in one call": autograd_floor(
             t_params, [t_x], (batch, 1), t_ct, polled(pure_jax_pair)
         ),
-        "pure torch": pure_torch,
+        "pure torch": synced(pure_torch, device),
     }

@@ -9,9 +9,11 @@ path (`--device cuda`) runs in scripts/gpu_check.sh on a GPU machine.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 from helpers.bench import benchmark
 
 
@@ -35,6 +37,20 @@ def test_device_is_an_option_and_the_case_is_opt_in() -> None:
     assert (asked.cases, asked.device, asked.reps) == (["accelerator"], "cuda", 2)
     with pytest.raises(SystemExit):
         main._parse(["--device", "tpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is missing")
+def test_device_cuda_without_cuda_says_what_is_missing_before_running(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    main = benchmark("__main__").main
+    status = main(["--cases", "overhead", "--device", "cuda", "--out", str(tmp_path)])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: torch" in err
+    assert "sees no CUDA device" in err
+    assert "Fix:" in err
+    assert not list(tmp_path.iterdir())  # Nothing ran.
 
 
 def test_gpu_peaks_by_name(rows: ModuleType) -> None:
