@@ -19,7 +19,7 @@ import torch
 import bridge_mr
 
 #: The most bridge_mr Python functions a cached forward call of a tiny round may run, with or
-#: without parameters that require grad (issue 31: 35 with grad at 720a87d; 24 now).
+#: without parameters that require grad (issue 31: 35 with grad at 720a87d; 23 now).
 CACHED_FORWARD_CALLS = 25
 
 
