@@ -147,9 +147,10 @@ def jit_arguments(
     dtype numpy has becomes a numpy view of it: jit's own argument path places such an array on
     the CPU device without copying, sooner than a DLPack import. Every other tensor is
     converted by `import_tensors`, with its rules, and so is every tensor while a
-    `jax.transfer_guard` watches host-to-device transfers (jit would count a view as one). The
-    same aliasing contract holds: block on the call's results before anyone may write to the
-    tensors.
+    `jax.transfer_guard` watches host-to-device transfers (jit would count a view as one); a
+    CPU tensor imported so lands where jit places the views (a CPU device set with
+    `jax.default_device`, else device 0). The same aliasing contract holds: block on the call's
+    results before anyone may write to the tensors.
 
     Args:
       tensors: the tensors.
@@ -182,8 +183,12 @@ def jit_arguments(
         numpy_to_cpu = getattr(device, "platform", device) == "cpu"
     else:
         numpy_to_cpu = _runtime.default_platform() == "cpu"
+    # Imports go where jit places the numpy views: a default CPU device set by
+    # `jax.default_device`, else device 0. Elsewhere a program kept for the views' device
+    # would refuse them.
+    cpu = device if numpy_to_cpu and not isinstance(device, str) else None
     if not numpy_to_cpu or _JAX_CONFIG.jax_transfer_guard_host_to_device not in (None, "allow"):
-        return _import_all(tensors, False, name_of)
+        return _import_all(tensors, False, name_of, cpu)
     out: list[Any] = []
     imported: list[int] = []
     for index, tensor in enumerate(tensors):
@@ -196,7 +201,9 @@ def jit_arguments(
         out.append(None)
         imported.append(index)
     if imported:
-        arrays = _import_all([tensors[i] for i in imported], False, lambda k: name_of(imported[k]))
+        arrays = _import_all(
+            [tensors[i] for i in imported], False, lambda k: name_of(imported[k]), cpu
+        )
         for index, array in zip(imported, arrays, strict=True):
             out[index] = array
     if ACTIVE and len(imported) < len(out):
@@ -235,13 +242,16 @@ def _tree_path(tree: Any, leaf_index: int) -> str:
 
 
 def _import_all(
-    tensors: Sequence[Any], allow_x64_downcast: bool, name_of: Callable[[int], str]
+    tensors: Sequence[Any],
+    allow_x64_downcast: bool,
+    name_of: Callable[[int], str],
+    cpu: Any = None,
 ) -> list[jax.Array]:
+    """Each tensor as a JAX array; CPU tensors on the JAX CPU device `cpu` (None: device 0)."""
     out: list[jax.Array] = []
     append = out.append
     to_array = _runtime.capsule_to_array
     to_capsule = _runtime.tensor_to_capsule
-    cpu = None
     cuda_ready: dict[int, tuple[Any, int | None]] = {}
     for index, tensor in enumerate(tensors):
         # Fast path for row-major tensors. Anything else (including a failure here that
@@ -266,7 +276,7 @@ def _import_all(
                 continue
         except _NOT_AS_IS:
             pass
-        append(_import_one(tensor, allow_x64_downcast, name_of, index, cuda_ready))
+        append(_import_one(tensor, allow_x64_downcast, name_of, index, cuda_ready, cpu))
     if ACTIVE:
         record(imports=len(out))
     return out
@@ -297,6 +307,7 @@ def _import_one(
     name_of: Callable[[int], str],
     index: int,
     cuda_ready: dict[int, tuple[Any, int | None]],
+    cpu: Any = None,
 ) -> jax.Array:
     device_type = _check_supported(tensor, name_of, index)
     dtype = tensor.dtype
@@ -325,7 +336,7 @@ def _import_one(
         tensor = _fresh_copy(tensor, target)
     elif tensor.requires_grad:
         tensor = tensor.detach()
-    return _wrap(tensor, device_type, copied, cuda_ready)
+    return _wrap(tensor, device_type, copied, cuda_ready, cpu)
 
 
 #: Per torch device type: whether JAX reads permuted-dense (e.g. transposed) DLPack tensors
@@ -360,10 +371,13 @@ def _wrap(
     device_type: str,
     after_copy: bool,
     cuda_ready: dict[int, tuple[Any, int | None]],
+    cpu: Any = None,
 ) -> jax.Array:
-    """Shares a compact, aligned tensor of a supported dtype with JAX."""
+    """Shares a compact, aligned tensor of a supported dtype with JAX (a CPU one on the JAX CPU
+    device `cpu`; None: device 0)."""
     if device_type == "cpu":
-        device, stream, dl_device_type = _runtime.jax_device("cpu", 0), None, _runtime.DL_CPU
+        device = _runtime.jax_device("cpu", 0) if cpu is None else cpu
+        stream, dl_device_type = None, _runtime.DL_CPU
     else:
         cuda_index = tensor.device.index
         ready = cuda_ready.get(cuda_index)

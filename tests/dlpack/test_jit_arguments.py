@@ -129,6 +129,21 @@ def test_another_cpu_default_device_still_gets_numpy_views() -> None:
     assert isinstance(argument, np.ndarray)
 
 
+@pytest.mark.parametrize("guarded", [False, True], ids=["bfloat16", "transfer_guard"])
+def test_imports_go_to_another_cpu_default_device_as_the_numpy_views_do(guarded: bool) -> None:
+    # A tensor that is imported (a dtype numpy lacks, or any under a transfer guard) lands where
+    # jit places the numpy views: one device for the program, which a program kept for that
+    # device (bridge_mr's disk cache) requires.
+    target = jax.devices("cpu")[1]
+    tensor = torch.ones(3, dtype=torch.float32 if guarded else torch.bfloat16)
+    guard = jax.transfer_guard_host_to_device("disallow" if guarded else "allow")
+    with jax.default_device(target), guard:
+        (argument,) = dlpack.jit_arguments([tensor])
+    assert isinstance(argument, jax.Array)
+    assert argument.devices() == {target}
+    assert argument.unsafe_buffer_pointer() == tensor.data_ptr()
+
+
 def test_a_non_cpu_default_backend_gets_jax_arrays_on_the_tensors_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

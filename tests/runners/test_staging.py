@@ -176,11 +176,11 @@ def test_torch_default_device_does_not_reach_the_buffers():
             torch.testing.assert_close(f(x, w), (x * w).sum())
 
 
-def test_a_transfer_guard_after_staging_on_another_default_device(monkeypatch):
-    # Under the guard the runner's other inputs are imported onto device 0; the buffers,
-    # placed on device 1 without it, would have to move, which the guard refuses. Off disk:
-    # a program kept on disk is compiled for device 1's placement and refuses device 0's.
-    monkeypatch.setenv("BRIDGE_MR_COMPILATION_CACHE", "0")
+@pytest.mark.parametrize("on_disk", ["1", "0"])
+def test_a_transfer_guard_after_staging_on_another_default_device(monkeypatch, on_disk):
+    # Under the guard the runner's inputs are imported, not passed as numpy views: they and the
+    # buffers must stay on device 1, where the program (on disk: kept for device 1) runs.
+    monkeypatch.setenv("BRIDGE_MR_COMPILATION_CACHE", on_disk)
     f = bridge_mr.torch_function(lambda x, w, ids: (x * w).sum() + ids.sum().astype(jnp.float32))
     x, w, ids = torch.randn(3), torch.randn(3), torch.arange(4, dtype=torch.int32)
     with jax.default_device(jax.devices("cpu")[1]):
