@@ -10,8 +10,8 @@ versions. Each submodule imports only its own library, never bridge_mr, and this
 Entries:
 
 * `bridge_mr._compat.jax`: `trace_context`, `concrete_mesh`, `legacy_mesh`,
-  `shardy_partitioner`, `x64_enabled`, `default_device`, `backends_generation`, `ArrayImpl`,
-  `DimExpr`, `single_device`, `fresh_handle`, `clear_counter`.
+  `shardy_partitioner`, `x64_enabled`, `default_device`, `transfer_guard_host_to_device`,
+  `backends_generation`, `ArrayImpl`, `DimExpr`, `single_device`, `fresh_handle`, `clear_counter`.
 * `bridge_mr._compat.jaxlib`: `EXTENSION_VERSION`, `DL_CPU`, `DL_CUDA`, `capsule_to_array`,
   `array_to_capsule` (raises ImportError on a jaxlib older than 0.10.2).
 * `bridge_mr._compat.torch`: `dispatches_to_python`, `forward_ad_active`,

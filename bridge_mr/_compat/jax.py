@@ -33,6 +33,7 @@ __all__ = [
     "shardy_partitioner",
     "single_devices",
     "trace_context",
+    "transfer_guard_host_to_device",
     "x64_enabled",
 ]
 
@@ -46,6 +47,7 @@ __all__ = [
 
 _X64 = _config.enable_x64
 _DEFAULT_DEVICE = _config.default_device
+_TRANSFER_GUARD_H2D = _config.transfer_guard_host_to_device
 
 
 #: What of JAX's configuration a trace depends on (x64, promotion, precision, mesh, ...):
@@ -105,6 +107,13 @@ def x64_enabled() -> bool:
 #: `jax._src.config.default_device.value`, read by a C accessor (no Python frame on the hot
 #: path); jax 0.10.2.
 default_device: Callable[[], Any] = functools.partial(operator.attrgetter("value"), _DEFAULT_DEVICE)
+
+#: The `jax.transfer_guard_host_to_device` level in effect here ("allow", "log", "disallow",
+#: their "explicit" forms), or None when none is set. `jax._src.config.
+#: transfer_guard_host_to_device.value`, read by a C accessor; jax 0.10.2.
+transfer_guard_host_to_device: Callable[[], str | None] = functools.partial(
+    operator.attrgetter("value"), _TRANSFER_GUARD_H2D
+)
 
 #: An object that stays the same until `jax.extend.backend.clear_backends()` is called: the
 #: identity of `jax._src.xla_bridge._backends`, which `clear_backends` rebinds to a new dict

@@ -23,7 +23,7 @@ the JAX array keeps the torch storage alive and vice versa.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any
 
 import jax
 import numpy as np
@@ -187,7 +187,7 @@ def jit_arguments(
     # `jax.default_device`, else device 0. Elsewhere a program kept for the views' device
     # would refuse them.
     cpu = device if numpy_to_cpu and not isinstance(device, str) else None
-    if not numpy_to_cpu or _JAX_CONFIG.jax_transfer_guard_host_to_device not in (None, "allow"):
+    if not numpy_to_cpu or _runtime.transfer_guard_host_to_device() not in (None, "allow"):
         return _import_all(tensors, False, name_of, cpu)
     out: list[Any] = []
     imported: list[int] = []
@@ -221,15 +221,6 @@ _NOT_AS_IS = (AttributeError, KeyError, RuntimeError, BufferError)
 
 #: torch dtypes whose tensors `Tensor.numpy()` views (numpy has them; bfloat16 it has not).
 _NUMPY_DTYPES = frozenset(d for d in _FLAGS if _dtypes.DTYPES[d].numpy)
-
-
-class _TransferGuardConfig(Protocol):
-    jax_transfer_guard_host_to_device: str | None
-
-
-# jax registers its options as properties of `jax.config`'s class at run time: that class, as
-# jax declares it, has none of them.
-_JAX_CONFIG = cast(_TransferGuardConfig, jax.config)
 
 
 def _positional_name(index: int) -> str:

@@ -44,6 +44,7 @@ fresh_handle: Callable[[jax.Array], jax.Array] = _jax_compat.fresh_handle
 
 x64_enabled = _jax_compat.x64_enabled
 default_device = _jax_compat.default_device
+transfer_guard_host_to_device = _jax_compat.transfer_guard_host_to_device
 
 
 def array_to_tensor(array: jax.Array, stream: int | None) -> torch.Tensor:

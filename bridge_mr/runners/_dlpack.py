@@ -90,6 +90,7 @@ class DlpackRunner:
             *(" + ".join(names[i] for i in group) for group in self._groups),
             *(names[i] for i in self._singles),
         ]
+        self._single_names = self._crossing_names[len(self._groups) :]  # Beside staged groups.
         self._n_exported = n_exported
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         wrap = self._groups or self._replicated is not None
@@ -164,8 +165,7 @@ class DlpackRunner:
         if staged is None:
             arrays = jit_arguments(crossing, names=self._crossing_names)
         elif crossing:
-            names = self._crossing_names[len(self._groups) :]
-            arrays = [*staged.arrays, *jit_arguments(crossing, names=names)]
+            arrays = [*staged.arrays, *jit_arguments(crossing, names=self._single_names)]
         else:
             arrays = staged.arrays
         if self._replicated is not None:

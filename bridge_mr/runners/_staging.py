@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any
 
 import jax
 import numpy as np
@@ -91,16 +91,7 @@ class Staging:
 def _placement() -> tuple[Any, Any]:
     """What decides where jax.jit places a runner's uncommitted inputs (`jit_arguments` reads
     the same): the default device and the host-to-device transfer guard."""
-    return jax_compat.default_device(), _JAX_CONFIG.jax_transfer_guard_host_to_device
-
-
-class _TransferGuardConfig(Protocol):
-    jax_transfer_guard_host_to_device: str | None
-
-
-# jax registers its options as properties of `jax.config`'s class at run time: that class, as
-# jax declares it, has none of them.
-_JAX_CONFIG = cast(_TransferGuardConfig, jax.config)
+    return jax_compat.default_device(), jax_compat.transfer_guard_host_to_device()
 
 
 def staging_for(

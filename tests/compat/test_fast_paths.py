@@ -147,6 +147,15 @@ def test_default_device_is_the_one_of_jax_default_device() -> None:
         assert compat_jax.default_device() == "cpu"
 
 
+def test_transfer_guard_host_to_device_is_the_level_in_effect() -> None:
+    assert compat_jax.transfer_guard_host_to_device() is None
+    with jax.transfer_guard_host_to_device("disallow"):
+        assert compat_jax.transfer_guard_host_to_device() == "disallow"
+    with jax.transfer_guard("log"):
+        assert compat_jax.transfer_guard_host_to_device() == "log"
+    assert compat_jax.transfer_guard_host_to_device() is None
+
+
 def test_backends_generation_changes_only_when_jax_clears_its_backends() -> None:
     # In a fresh interpreter: clearing the backends invalidates every live array.
     out = _run_python(
