@@ -142,20 +142,11 @@ def measure(
         "max_abs_difference_after_first_round": difference,
     }
     row = report.comparison_row(harness.Comparison(baseline, timings), cfg.row_id, params)
-    first_timings = {
-        name: harness.Timing([entries[name]["first_s"]], 1)
-        if "first_s" in entries[name]
-        else harness.Timing(error=entries[name]["error"])
-        for name in alternatives
-    }
-    first_row = report.comparison_row(
-        harness.Comparison(baseline, first_timings), f"{cfg.row_id} first round", params
+    first_row = users_path.first_round_row(
+        entries, alternatives, baseline, cfg.row_id, params, ("build_s",)
     )
     for name, entry in row["alternatives"].items():
         _annotate(entry, entries[name], closed.get(name), counted, peak)
-    for name, entry in first_row["alternatives"].items():
-        if "build_s" in entries[name]:
-            entry["build_s"] = entries[name]["build_s"]
     return row, first_row
 
 

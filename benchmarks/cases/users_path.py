@@ -288,20 +288,37 @@ def measure(
                 else {"error": closed[name].get("error", "no peak RSS reported")}
             )
             entry["load"] = loads[name]
+    keys = ("build_s", "other_cpus_busy")
+    first_row = first_round_row(
+        entries, alternatives, BASELINE, cfg.row_id, dataclasses.asdict(cfg), keys
+    )
+    return row, first_row, comparison
+
+
+def first_round_row(
+    entries: dict[str, dict[str, Any]],
+    alternatives: tuple[str, ...],
+    baseline: str,
+    row_id: str,
+    params: dict[str, Any],
+    keys: tuple[str, ...],
+) -> dict[str, Any]:
+    """The "<row_id> first round" row: each alternative's first round (one call in its fresh
+    process, `run_workers`' entries) or its error, with `keys` of its entry where it has them."""
     first = {
         name: harness.Timing([entries[name]["first_s"]], 1)
         if "first_s" in entries[name]
         else harness.Timing(error=entries[name]["error"])
         for name in alternatives
     }
-    first_row = report.comparison_row(
-        harness.Comparison(BASELINE, first), f"{cfg.row_id} first round", dataclasses.asdict(cfg)
+    row = report.comparison_row(
+        harness.Comparison(baseline, first), f"{row_id} first round", params
     )
-    for name, entry in first_row["alternatives"].items():
-        for key in ("build_s", "other_cpus_busy"):
+    for name, entry in row["alternatives"].items():
+        for key in keys:
             if key in entries[name]:
                 entry[key] = entries[name][key]
-    return row, first_row, comparison
+    return row
 
 
 def _configs(ctx: harness.Context) -> list[users.UserConfig]:
