@@ -17,6 +17,21 @@ PYTHON=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 VENV=${BRIDGE_MR_VENV:-.venv}
+
+# The environments a fresh clone builds take about 11 GB (.venv 2.6, .venv-notorch 0.8,
+# .venv-xla 7.5); pip's "No space left on device" halfway through says less than the numbers.
+need_mb=0
+[ -x "$VENV/bin/python" ] || need_mb=$((need_mb + 2700))
+[ -x .venv-notorch/bin/python ] || need_mb=$((need_mb + 900))
+if [ "${BRIDGE_MR_SKIP_XLA:-0}" != 1 ] && [ ! -x .venv-xla/bin/python ]; then
+  need_mb=$((need_mb + 7600))
+fi
+free_mb=$(df -Pm . | awk 'NR == 2 {print $4}')
+echo "scripts/test.sh: ${free_mb} MB free here; the environments still to build take about ${need_mb} MB"
+if [ "$free_mb" -lt "$need_mb" ]; then
+  echo "scripts/test.sh: not enough disk for the test environments: ${need_mb} MB needed, ${free_mb} MB free in $(pwd); free some space (or set BRIDGE_MR_SKIP_XLA=1 to skip .venv-xla's 7.6 GB)" >&2
+  exit 1
+fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV"/bin/pip install -q torch==2.13.0
 "$VENV"/bin/pip install -q --force-reinstall --no-deps .
