@@ -5,8 +5,8 @@
 # (not editable, so the installed package is what gets tested).
 #   bash scripts/setup_xla_env.sh        # then: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/pytest -m xla
 # A fresh install downloads about 3.5 GB (torch's CUDA wheels, which also run on CPU) and takes
-# 7 GB of disk. PYTHON selects the interpreter (default python3; torch_xla 2.9.0 has wheels for
-# CPython 3.10 to 3.13).
+# 7.8 GB of disk. PYTHON selects the interpreter (default python3; torch_xla 2.9.0 has wheels
+# for CPython 3.10 to 3.13).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
