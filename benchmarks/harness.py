@@ -131,6 +131,15 @@ class Comparison:
         q1, median, q3 = _quantiles([a / b for a, b in pairs])
         return {"median": median, "q1": q1, "q3": q3}
 
+    def difference(self, name: str, reference: str) -> dict[str, float] | None:
+        """Seconds per call of `name` minus those of `reference`, paired per repetition as in
+        `ratio`; None if either side was not timed."""
+        if not (self.ok(name) and self.ok(reference)):
+            return None
+        pairs = zip(self.timings[name].samples, self.timings[reference].samples, strict=True)
+        q1, median, q3 = _quantiles([a - b for a, b in pairs])
+        return {"median": median, "q1": q1, "q3": q3}
+
 
 @dataclasses.dataclass(frozen=True)
 class TimingPolicy:
