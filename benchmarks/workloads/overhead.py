@@ -196,11 +196,11 @@ def map_reduce_contestants(
 
     value_and_grad = jax.jit(jax.value_and_grad(program))
 
-    def pure_jax() -> None:
-        jax.block_until_ready(value_and_grad(j_params, j_data))
-
     def pure_jax_call() -> Any:
         return value_and_grad(j_params, j_data)
+
+    def pure_jax() -> None:
+        jax.block_until_ready(pure_jax_call())
 
     xs, ys = t_data["x"].unbind(0), t_data["y"].unbind(0)
 
@@ -268,13 +268,12 @@ def torch_function_contestants(
     def backward(vjp: Any, ct: Any) -> Any:
         return vjp(ct)
 
-    def pure_jax() -> None:
-        _, vjp = forward(j_params, j_x)
-        jax.block_until_ready(backward(vjp, j_ct))
-
     def pure_jax_pair() -> Any:
         _, vjp = forward(j_params, j_x)
         return backward(vjp, j_ct)
+
+    def pure_jax() -> None:
+        jax.block_until_ready(pure_jax_pair())
 
     def pure_torch() -> None:
         for p in t_params.values():

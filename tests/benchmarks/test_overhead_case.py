@@ -53,3 +53,19 @@ def test_an_untimed_side_leaves_the_target_unmeasured() -> None:
     target = overhead.own_share_target(comparison, _row(comparison), BRIDGE, "cpu")
     assert target["value"] is None
     assert target["met"] is None
+
+
+def test_the_tiny_map_reduce_row_alone_carries_the_own_share_target() -> None:
+    assert [row.row_id for row in overhead.ROWS if row.own_share] == ["map_reduce fedsgd tiny"]
+
+
+def test_the_note_gives_the_own_share_as_the_target_does() -> None:
+    # Paired differences 30, 10 and 30 us (median 30); the medians differ by 250 - 240 = 10.
+    comparison = _comparison([230e-6, 250e-6, 330e-6], [200e-6, 240e-6, 300e-6])
+    comparison.timings["torch autograd floor"] = harness.Timing(samples=[7e-5] * 3, number=1)
+    row = _row(comparison)
+    note = overhead._lower_bound(comparison, row, BRIDGE, JAX)
+    target = overhead.own_share_target(comparison, row, BRIDGE, "cpu")
+    assert target["value"] == pytest.approx(30.0)
+    assert note is not None
+    assert "30.0 µs above the two in one call" in note, note
