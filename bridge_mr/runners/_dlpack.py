@@ -6,6 +6,7 @@ import contextlib
 import math
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import jax
@@ -100,11 +101,15 @@ class DlpackRunner:
         self._jit: Any = (
             jax.jit(run, compiler_options=self._options) if wrap or self._options else jitted
         )
-        self._run: Any = self._jit
-        # The program is compiled (or loaded from disk, `_disk`) at the first call, and again
-        # after `jax.clear_caches()`, which retraces `jax.jit` programs: the count it belongs to.
+        # With programs kept on disk (`_disk`): one compiled program per layout of the inputs
+        # (a transposed tensor crosses as a column-major array, and a compiled program takes
+        # only the layouts it was compiled for; jax.jit without the disk keys its own programs
+        # so). Looked up again after `jax.clear_caches()`, which retraces `jax.jit` programs:
+        # the count they belong to.
         self._clears = jax_compat.clear_counter()
         self._compiled_at: int | None = None
+        self._folder: Path | None = None
+        self._programs: dict[tuple[Any, ...], Any] = {}
         self._poll = True
         # Decided after the first call that ran with outputs to wait for (`_staging`).
         self._staging: Staging | None = None
@@ -171,23 +176,36 @@ class DlpackRunner:
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
         if self._compiled_at != self._clears.count:
-            # Lowered with what the first call passed, so the program's name on disk matches.
-            given = arrays if staged is None else [*staged.crossing, *arrays[len(self._groups) :]]
-            self._compile([*given, *carried])
-        outputs = self._run(*arrays, *carried)
+            self._compiled_at = self._clears.count
+            self._folder = _disk.directory()
+            self._programs = {}
+        if self._folder is None:
+            run = self._jit
+        else:
+            # The layouts that are not row-major: of arrays imported from permuted tensors
+            # (numpy views, staged buffers and 1-D arrays are row-major).
+            layouts: tuple[Any, ...] = ()
+            for index, array in enumerate(arrays):
+                if type(array) is not np.ndarray and array.ndim > 1:
+                    order = array.format.layout.major_to_minor
+                    if order != tuple(range(len(order))):
+                        layouts = (*layouts, (index, order))
+            run = self._programs.get(layouts)
+            if run is None:
+                # Lowered with what the call passed (the staged groups as the first call passed
+                # them), so the program's name on disk matches.
+                given = (
+                    arrays if staged is None else [*staged.crossing, *arrays[len(self._groups) :]]
+                )
+                run = _disk.compiled(self._jit, [*given, *carried], self._options, self._folder)
+                self._programs[layouts] = run
+        outputs = run(*arrays, *carried)
         if outputs:
             # JAX dispatch is asynchronous and the inputs alias torch memory (or the staging
             # buffers): the caller may write to them as soon as we return. All outputs of one
             # execution complete together.
             self._wait(outputs[0])
         return outputs
-
-    def _compile(self, args: list[Any]) -> None:
-        self._compiled_at = self._clears.count
-        folder = _disk.directory()
-        self._run = (
-            self._jit if folder is None else _disk.compiled(self._jit, args, self._options, folder)
-        )
 
     def _wait(self, output: jax.Array) -> None:
         """Returns once `output` is computed: polls while this program is quick, else sleeps."""
