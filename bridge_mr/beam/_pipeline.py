@@ -32,7 +32,7 @@ from apache_beam.options.pipeline_options import (
 from apache_beam.pvalue import PCollection
 
 from . import _files, _waiting, _worker
-from ._plan import Plan, Reduction, Segment
+from ._plan import Aggregation, Plan, Segment
 from ._planning import check_record_spec, prepare
 
 #: The in-process runner used when the options name none: the FnApiRunner that Beam's
@@ -78,21 +78,21 @@ class _ClientWork(beam.DoFn):
 class Aggregate(beam.CombineFn):
     """client_to_server_aggregation: one round's sums over clients, accumulated in float64.
 
-    An input is a bundle's contributions (one array per reduction, the bundle's clients
+    An input is a bundle's contributions (one array per aggregation, the bundle's clients
     first); the accumulator holds the client count and the running sums (float64, int64 for
     integers, complex128); merging adds them, so any order and grouping gives the same sums.
     The output is the merged accumulator, a *partial* aggregate: `finish` merges any number of
-    partials (one per partition, if a runner emits that) and gives (count, the reductions in
+    partials (one per partition, if a runner emits that) and gives (count, the aggregations in
     the program's dtypes, means divided by the count).
 
-    In a pipeline: `contributions | beam.CombineGlobally(Aggregate(plan.reductions[k]))`.
+    In a pipeline: `contributions | beam.CombineGlobally(Aggregate(plan.aggregations[k]))`.
 
     Args:
-        reductions: The round's reductions: `plan.reductions[k]` of a `split` plan.
+        aggregations: The round's aggregations: `plan.aggregations[k]` of a `split` plan.
 
     Example:
       >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
-      >>> aggregate = bridge_mr.beam.Aggregate(plan.reductions[0])  # one mean
+      >>> aggregate = bridge_mr.beam.Aggregate(plan.aggregations[0])  # one mean
       >>> two = aggregate.add_input(aggregate.create_accumulator(), [np.float32([2, 4])])
       >>> one = aggregate.add_input(aggregate.create_accumulator(), [np.float32([6])])
       >>> partial = aggregate.extract_output(aggregate.merge_accumulators([one, two]))
@@ -102,16 +102,16 @@ class Aggregate(beam.CombineFn):
       (3, [array(4., dtype=float32)])
     """
 
-    def __init__(self, reductions: Sequence[Reduction]) -> None:
+    def __init__(self, aggregations: Sequence[Aggregation]) -> None:
         super().__init__()
-        self._reductions = list(reductions)
+        self._aggregations = list(aggregations)
 
     def create_accumulator(self) -> _worker.Accumulator:
         """An empty accumulator: no clients, no sums yet."""
-        return _worker.create_accumulator(len(self._reductions))
+        return _worker.create_accumulator(len(self._aggregations))
 
     def add_input(self, mutable_accumulator: Any, element: Any) -> _worker.Accumulator:
-        """Adds a bundle's contributions (one array per reduction, clients first)."""
+        """Adds a bundle's contributions (one array per aggregation, clients first)."""
         return _worker.add_contributions(mutable_accumulator, element)
 
     def merge_accumulators(self, accumulators: Iterable[Any]) -> _worker.Accumulator:
@@ -125,14 +125,14 @@ class Aggregate(beam.CombineFn):
     def finish(
         self, partials: Iterable[_worker.Accumulator], expected: int | None = None
     ) -> tuple[int, list[np.ndarray[Any, Any]]]:
-        """Merges partial aggregates: (the client count, the reductions in the program's dtypes).
+        """Merges partial aggregates: (the client count, the aggregations in the program's dtypes).
 
         Args:
             partials: Outputs of this CombineFn (any number, any grouping of the clients).
             expected: The client count the round must have seen (None: unchecked).
 
         Returns:
-            (count, one array per reduction; means divided by the count).
+            (count, one array per aggregation; means divided by the count).
 
         Raises:
             ValueError: No client contributed, or the count is not `expected` (clients lost
@@ -140,7 +140,7 @@ class Aggregate(beam.CombineFn):
 
         Example:
           >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
-          >>> aggregate = bridge_mr.beam.Aggregate(plan.reductions[0])  # one mean
+          >>> aggregate = bridge_mr.beam.Aggregate(plan.aggregations[0])  # one mean
           >>> partials = [  # one per partition: 2 clients, then 1
           ...     aggregate.add_input(aggregate.create_accumulator(), [np.float32([2, 4])]),
           ...     aggregate.add_input(aggregate.create_accumulator(), [np.float32([6])]),
@@ -150,7 +150,7 @@ class Aggregate(beam.CombineFn):
         """
         # An empty accumulator first: merging it changes nothing, and no partial is no client.
         merged = _worker.merge_accumulators([self.create_accumulator(), *partials])
-        return _worker.extract(merged, self._reductions, expected)
+        return _worker.extract(merged, self._aggregations, expected)
 
 
 def _server_prepare(count: int, *, segment: Segment, leaves: Sequence[Any]) -> State:
@@ -207,7 +207,7 @@ def _expand_plan(
             | f"join_{k}" >> beam.CoGroupByKey()
             | f"client_work_{k}" >> beam.ParDo(_ClientWork(plan.client_segment(k)))
         )
-        aggregate = Aggregate(plan.reductions[k])
+        aggregate = Aggregate(plan.aggregations[k])
         partials = (
             worked
             | f"contributions_{k}" >> beam.Map(_contributions)

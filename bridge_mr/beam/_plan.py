@@ -7,7 +7,7 @@ worker code that runs it imports only jax and numpy.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -29,10 +29,15 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class Reduction:
-    """One client_to_server_aggregation: a sum (or mean) over clients of a contribution."""
+class Aggregation:
+    """One client_to_server_aggregation of a round: a sum (or mean) over clients of a
+    contribution, and the server value's shape and dtype.
 
-    kind: str  # "sum" or "mean"
+    Plain data, unlike `bridge_mr.typing.Reduction` (how `map_reduce` combines its clients):
+    a round's "weighted_mean" reaches the plan as two sums.
+    """
+
+    kind: Literal["sum", "mean"]
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
 
@@ -46,8 +51,9 @@ class Plan:
     Attributes:
         placement: The placement name the program's primitives use.
         segments: The exported segments, alternating server_0, client_0, server_1, ...,
-            server_K (K = `num_rounds`, the number of rounds with reductions).
-        reductions: `reductions[k]` are round k's, in the order of client_k's contributions.
+            server_K (K = `num_rounds`, the number of rounds with aggregations).
+        aggregations: `aggregations[k]` are round k's, in the order of client_k's
+            contributions.
         outputs: Where each result leaf comes from: ("env", i), the i-th value of the last
             server segment, or ("literal", value).
         out_tree: The tree structure of the program's result.
@@ -65,7 +71,7 @@ class Plan:
 
     placement: str
     segments: list[Segment]
-    reductions: list[list[Reduction]]
+    aggregations: list[list[Aggregation]]
     outputs: list[tuple[str, Any]]
     out_tree: Any
     consts: list[np.ndarray[Any, Any]]
@@ -76,7 +82,7 @@ class Plan:
     @property
     def num_rounds(self) -> int:
         """How many rounds of client work and aggregation the program has."""
-        return len(self.reductions)
+        return len(self.aggregations)
 
     def server_segment(self, k: int) -> Segment:
         """Round k's server segment (k = num_rounds: server_result).
@@ -86,7 +92,7 @@ class Plan:
 
         Returns:
             `segments[2 * k]`: server_0 prepares round 0's broadcast, server_k (k >= 1)
-            consumes round k - 1's reductions.
+            consumes round k - 1's aggregations.
 
         Example:
           >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))
@@ -103,7 +109,7 @@ class Plan:
 
         Returns:
             `segments[2 * k + 1]`: round k's client_work, which returns the bundle's carry
-            for later rounds and its contributions to `reductions[k]`.
+            for later rounds and its contributions to `aggregations[k]`.
 
         Example:
           >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), (np.float32(0),))

@@ -229,7 +229,7 @@ def split(
 
     Returns:
         The `Plan`: `plan.num_rounds`, `plan.segments` (server_0, client_0, ..., with their
-        `jax.export` bytes), `plan.reductions`.
+        `jax.export` bytes), `plan.aggregations`.
 
     Raises:
         UnsupportedProgramError: `fn` cannot run as a MapReduce pipeline.
@@ -240,8 +240,8 @@ def split(
       >>> plan = bridge_mr.beam.split(scaled_mean, (np.float32(2),), spec)
       >>> plan.num_rounds, [segment.name for segment in plan.segments]
       (1, ['server_0', 'client_0', 'server_1'])
-      >>> plan.reductions
-      [[Reduction(kind='mean', shape=(), dtype=dtype('float32'))]]
+      >>> plan.aggregations
+      [[Aggregation(kind='mean', shape=(), dtype=dtype('float32'))]]
     """
     if not isinstance(server_args, tuple):
         raise TypeError(

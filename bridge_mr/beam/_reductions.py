@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ class Contribution:
 
     eqn: Any
     source: Any  # The placed value that the contribution step computes from.
-    kind: str  # "sum" or "mean"
+    kind: Literal["sum", "mean"]
     step: Callable[[dict[Any, Any]], Any] | None  # None: the contribution is `source` itself.
     result: Any  # The server variable it defines.
 

@@ -34,7 +34,7 @@ import numpy as np
 from bridge_mr import jax_core
 
 from ._jaxpr import Flat, Literal, Var, dce, defs, flatten, ordered, read, uses
-from ._plan import Plan, Reduction, Segment
+from ._plan import Aggregation, Plan, Segment
 from ._reductions import Contribution, contribution
 from ._rules import Checker, UnsupportedProgramError, placement_axis
 
@@ -154,7 +154,7 @@ def _build_plan(
     client_needs_after.reverse()
 
     segments: list[Segment] = []
-    reductions: list[list[Reduction]] = []
+    aggregations: list[list[Aggregation]] = []
     env: list[Any] = [*server_in, *const_vars]
     carry: list[Any] = list(client_in)
     reduced: list[Any] = []
@@ -180,7 +180,7 @@ def _build_plan(
                 f"client_{k}", steps, env, carry, carry_out, contributions, n, flat.consts
             )
         )
-        reductions.append([_reduction(c) for c in contributions])
+        aggregations.append([_aggregation(c) for c in contributions])
         reduced = [c.result for c in contributions]
         available_server += reduced
         carry = carry_out
@@ -193,7 +193,7 @@ def _build_plan(
     return Plan(
         placement=placement,
         segments=segments,
-        reductions=reductions,
+        aggregations=aggregations,
         outputs=outputs,
         out_tree=jax.tree.structure(out_shape),
         consts=[np.asarray(flat.consts[v]) for v in const_vars],
@@ -207,9 +207,9 @@ def _reduction_reads(rnd: _RoundEquations) -> set[Any]:
     return {v for c in rnd.reductions for v in c.eqn.invars if isinstance(v, Var)}
 
 
-def _reduction(c: Contribution) -> Reduction:
+def _aggregation(c: Contribution) -> Aggregation:
     aval = c.result.aval
-    return Reduction(kind=c.kind, shape=tuple(aval.shape), dtype=np.dtype(aval.dtype))
+    return Aggregation(kind=c.kind, shape=tuple(aval.shape), dtype=np.dtype(aval.dtype))
 
 
 def _export_segment(

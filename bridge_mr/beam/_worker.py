@@ -17,7 +17,7 @@ import numpy as np
 
 from bridge_mr._caches import Bounded, register
 
-from ._plan import Plan, Reduction, Segment
+from ._plan import Aggregation, Plan, Segment
 
 #: How many deserialized segments a process keeps (a program of K rounds has 2K + 1).
 SEGMENTS = 64
@@ -25,7 +25,7 @@ SEGMENTS = 64
 _CACHE: Bounded[bytes, Any] = register("beam worker segments", Bounded(SEGMENTS))
 _LOCK = threading.Lock()  # One deserialization per segment, even when bundles run in threads.
 
-#: An accumulator: [client count, one running sum per reduction (None before the first add)].
+#: An accumulator: [client count, one running sum per aggregation (None before the first add)].
 Accumulator = list[Any]
 
 
@@ -46,7 +46,7 @@ def _carrier(count: int) -> np.ndarray[Any, Any]:
 def run_server(
     segment: Segment, env: Sequence[Any], reduced: Sequence[Any], count: int
 ) -> list[np.ndarray[Any, Any]]:
-    """Runs a server segment on the server values `env` and the previous round's reductions."""
+    """Runs a server segment on the server values `env` and the previous round's aggregations."""
     outs = _callable(segment)(_carrier(count), *env, *reduced)
     return [np.asarray(x) for x in outs]
 
@@ -57,7 +57,7 @@ def run_client(
     """Runs a client segment on a bundle of clients (every carry value: clients first).
 
     Returns:
-        (the bundle's carry for later rounds, its contributions to this round's reductions).
+        (the bundle's carry for later rounds, its contributions to this round's aggregations).
     """
     count = int(np.shape(carry[0])[0]) if carry else 0
     outs = [np.asarray(x) for x in _callable(segment)(_carrier(count), *carry, *env)]
@@ -72,9 +72,9 @@ def _accumulation_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype(np.float64)
 
 
-def create_accumulator(num_reductions: int) -> Accumulator:
-    """An empty accumulator for `num_reductions` sums."""
-    return [0, *([None] * num_reductions)]
+def create_accumulator(num_aggregations: int) -> Accumulator:
+    """An empty accumulator for `num_aggregations` sums."""
+    return [0, *([None] * num_aggregations)]
 
 
 def add_contributions(acc: Accumulator, contributions: Sequence[Any]) -> Accumulator:
@@ -101,9 +101,9 @@ def merge_accumulators(accumulators: Sequence[Accumulator]) -> Accumulator:
 
 
 def extract(
-    acc: Accumulator, reductions: Sequence[Reduction], expected: int | None
+    acc: Accumulator, aggregations: Sequence[Aggregation], expected: int | None
 ) -> tuple[int, list[np.ndarray[Any, Any]]]:
-    """The reductions' results (means divided by the count), in their program dtypes.
+    """The aggregations' results (means divided by the count), in their program dtypes.
 
     Raises:
         ValueError: No client contributed, or the count differs from `expected`.
@@ -120,9 +120,9 @@ def extract(
             "(records were lost or duplicated between rounds)."
         )
     results = []
-    for reduction, total in zip(reductions, acc[1:], strict=True):
-        value = total / count if reduction.kind == "mean" else total
-        results.append(np.asarray(value).astype(reduction.dtype))
+    for aggregation, total in zip(aggregations, acc[1:], strict=True):
+        value = total / count if aggregation.kind == "mean" else total
+        results.append(np.asarray(value).astype(aggregation.dtype))
     return count, results
 
 
@@ -186,11 +186,11 @@ def interpret(
     for k in range(plan.num_rounds):
         outs = [run_client(plan.client_segment(k), bundle, env) for bundle in bundles]
         partials = [
-            add_contributions(create_accumulator(len(plan.reductions[k])), c) for _, c in outs
+            add_contributions(create_accumulator(len(plan.aggregations[k])), c) for _, c in outs
         ]
         # Merged in reverse, as one tree: the order must not matter.
         acc = merge_accumulators(partials[::-1])
-        count, reduced = extract(acc, plan.reductions[k], count)
+        count, reduced = extract(acc, plan.aggregations[k], count)
         bundles = [carry for carry, _ in outs]
         env = run_server(plan.server_segment(k + 1), env, reduced, count)
     return results(plan, env)

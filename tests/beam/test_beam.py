@@ -205,7 +205,7 @@ def test_the_plan_has_the_phases_of_distribute_aggregate_form():
         "server_2",
     ]
     # sum(weight) needs no broadcast: it is aggregated in round 0, with the mean.
-    assert [[r.kind for r in rs] for rs in plan.reductions] == [["mean", "sum"], ["sum"]]
+    assert [[r.kind for r in rs] for rs in plan.aggregations] == [["mean", "sum"], ["sum"]]
 
 
 def test_interpret_runs_the_plan_in_any_bundling():
@@ -351,10 +351,10 @@ def test_no_records_is_an_error():
 def test_the_aggregation_merges_partial_accumulators_in_any_order_and_tree_shape():
     recs = records(9)
     plan = bb.split(fedavg_round, (server0(),), recs[0])
-    combine = bb.Aggregate(plan.reductions[0])
+    combine = bb.Aggregate(plan.aggregations[0])
     rng = np.random.default_rng(1)
     contributions = [  # One bundle per client, float32 values of the reductions' shapes.
-        [rng.normal(size=(1, *r.shape)).astype(F32) for r in plan.reductions[0]] for _ in recs
+        [rng.normal(size=(1, *r.shape)).astype(F32) for r in plan.aggregations[0]] for _ in recs
     ]
 
     def leaf_acc(c):
@@ -398,7 +398,7 @@ def test_the_aggregation_merges_partial_accumulators_in_any_order_and_tree_shape
         for got, want in zip(values, expected[1], strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
     # float64 accumulation: the mean of float32 contributions is the float64 mean, rounded once.
-    means = [r.kind == "mean" for r in plan.reductions[0]]
+    means = [r.kind == "mean" for r in plan.aggregations[0]]
     i = means.index(True)
     exact = np.mean(np.concatenate([c[i] for c in contributions]).astype(np.float64), axis=0)
     np.testing.assert_array_equal(expected[1][i], exact.astype(F32))
@@ -406,7 +406,7 @@ def test_the_aggregation_merges_partial_accumulators_in_any_order_and_tree_shape
 
 def test_the_aggregation_of_no_client_is_an_error():
     plan = bb.split(fedavg_round, (server0(),), records(1)[0])
-    combine = bb.Aggregate(plan.reductions[0])
+    combine = bb.Aggregate(plan.aggregations[0])
     with pytest.raises(ValueError, match="no client records reached the aggregation"):
         combine.finish([combine.extract_output(combine.create_accumulator())])
     with pytest.raises(ValueError, match="no client records reached the aggregation"):
