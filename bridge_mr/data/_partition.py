@@ -22,6 +22,11 @@ def _check_seed(owner: str, seed: object) -> None:
         raise ValueError(f"{owner}(seed=...): expected an int >= 0, got {seed!r}.")
 
 
+def _check_drop_remainder(owner: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}(drop_remainder=...): expected a bool, got {value!r}.")
+
+
 def _column(owner: str, examples: Mapping[str, torch.Tensor], key: str, what: str) -> np.ndarray:
     """`examples[key]` as a 1-d int64 numpy array (on the host), or a clear error."""
     if key not in examples:
@@ -50,31 +55,57 @@ def _ids(assignment: np.ndarray) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class IID:
-    """Shuffles the examples and deals them to `num_clients` clients in near-equal parts.
+    """Shuffles the examples and deals them to the clients in near-equal or equal parts.
 
-    Client sizes differ by at most one example; with `examples_per_client`, every client holds
-    exactly that many (a random subset) and the rest is left out (id -1).
+    Client sizes differ by at most one example. Every client holds exactly as many (a random
+    subset; the rest is left out, id -1) with `examples_per_client`, or with
+    `drop_remainder=True`, which gives each of `num_clients` clients `examples // num_clients`
+    (as `batch(..., drop_remainder=True)` does in tf.data). `examples_per_client` alone makes
+    as many clients of that size as the examples fill.
 
     Attributes:
-      num_clients: how many clients, >= 1 (at most the number of examples).
+      num_clients: how many clients, >= 1 (at most the number of examples); None with
+        `examples_per_client`: as many as the examples fill.
       examples_per_client: each client's exact size, or None to deal out every example.
       seed: the shuffle's seed.
+      drop_remainder: equal clients of `examples // num_clients` examples, the rest left out.
 
     Example:
       >>> examples = {"x": torch.arange(10.0), "y": torch.arange(10) % 2}
       >>> bridge_mr.data.IID(num_clients=3, seed=0)(examples).bincount()
       tensor([4, 3, 3])
+      >>> ids = bridge_mr.data.IID(num_clients=3, drop_remainder=True)(examples)
+      >>> ids[ids >= 0].bincount(), int((ids == -1).sum())  # one example left out
+      (tensor([3, 3, 3]), 1)
+      >>> int(bridge_mr.data.IID(examples_per_client=4)(examples).max()) + 1  # clients
+      2
     """
 
-    num_clients: int
+    num_clients: int | None = None
     examples_per_client: int | None = None
     seed: int = 0
+    drop_remainder: bool = False
 
     def __post_init__(self) -> None:
-        _check_count("IID", "num_clients", self.num_clients)
+        if self.num_clients is None and self.examples_per_client is None:
+            raise ValueError(
+                "IID: expected num_clients= (how many clients), examples_per_client= (each "
+                "client's size: as many clients as the examples fill) or both, got neither."
+            )
+        if self.num_clients is not None:
+            _check_count("IID", "num_clients", self.num_clients)
         if self.examples_per_client is not None:
             _check_count("IID", "examples_per_client", self.examples_per_client)
         _check_seed("IID", self.seed)
+        _check_drop_remainder("IID", self.drop_remainder)
+        sized = self.examples_per_client is not None
+        if self.drop_remainder and (self.num_clients is None or sized):
+            raise ValueError(
+                f"IID(drop_remainder=True): sizes num_clients= clients equally, so expected "
+                f"num_clients and no examples_per_client, got num_clients={self.num_clients!r}, "
+                f"examples_per_client={self.examples_per_client!r}. Fix: drop_remainder=True "
+                "with num_clients only, or examples_per_client (every client already that size)."
+            )
 
     def __call__(self, examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The client id (in [0, num_clients); -1: left out) of each example, int64 [examples].
@@ -83,17 +114,28 @@ class IID:
           ValueError: fewer examples than the clients need.
         """
         n = _num_examples(examples)
-        needed = self.num_clients * (self.examples_per_client or 1)
+        clients, size = self.num_clients, self.examples_per_client
+        if clients is None:
+            assert size is not None
+            clients = n // size
+            if clients == 0:
+                raise ValueError(
+                    f"IID(examples_per_client={size}): one client of {size} examples needs "
+                    f"{size} examples, got {n}. Fix: a smaller examples_per_client."
+                )
+        elif self.drop_remainder:
+            size = n // clients or None  # None: too few examples, refused below.
+        needed = clients * (size or 1)
         if n < needed:
             raise ValueError(
-                f"IID: {self.num_clients} clients of {self.examples_per_client or 'at least 1'} "
-                f"example(s) need {needed} examples, got {n}. Fix: fewer clients."
+                f"IID: {clients} clients of {size or 'at least 1'} example(s) need {needed} "
+                f"examples, got {n}. Fix: fewer clients."
             )
         order = np.random.default_rng(self.seed).permutation(n)
-        if self.examples_per_client is not None:
+        if size is not None:
             order = order[:needed]
         ids = np.full(n, -1, np.int64)
-        for client, part in enumerate(np.array_split(order, self.num_clients)):
+        for client, part in enumerate(np.array_split(order, clients)):
             ids[part] = client
         return _ids(ids)
 
@@ -181,7 +223,8 @@ class Shards:
     about that many labels. Without `shard_size` every example is kept (shards differ by at
     most one example); with it, a random subset of `shards * shard_size` examples is cut into
     equal shards and the rest is left out (id -1), as McMahan et al. and Flower's
-    `ShardPartitioner` do.
+    `ShardPartitioner` do. `drop_remainder=True` takes the largest such size,
+    `examples // shards` (Flower's default, `keep_incomplete_shard=False`).
 
     Attributes:
       num_clients: how many clients, >= 1.
@@ -190,12 +233,17 @@ class Shards:
       shard_size: examples per shard (every client then holds `shards_per_client *
         shard_size`), or None for near-equal shards of all the examples.
       seed: the shuffle's and the deal's seed.
+      drop_remainder: equal shards of `examples // (num_clients * shards_per_client)`
+        examples, the rest left out (not with `shard_size`).
 
     Example:
       >>> y = torch.arange(100) % 10
       >>> ids = bridge_mr.data.Shards(num_clients=5, shards_per_client=2, seed=0)({"y": y})
       >>> [len(y[ids == c].unique()) for c in range(5)]  # two labels each
       [2, 2, 2, 2, 2]
+      >>> ids = bridge_mr.data.Shards(num_clients=3, drop_remainder=True)({"y": y})
+      >>> ids[ids >= 0].bincount()  # 6 shards of 16: 4 examples left out
+      tensor([32, 32, 32])
     """
 
     num_clients: int
@@ -203,6 +251,7 @@ class Shards:
     label: str = "y"
     shard_size: int | None = None
     seed: int = 0
+    drop_remainder: bool = False
 
     def __post_init__(self) -> None:
         _check_count("Shards", "num_clients", self.num_clients)
@@ -210,6 +259,12 @@ class Shards:
         if self.shard_size is not None:
             _check_count("Shards", "shard_size", self.shard_size)
         _check_seed("Shards", self.seed)
+        _check_drop_remainder("Shards", self.drop_remainder)
+        if self.drop_remainder and self.shard_size is not None:
+            raise ValueError(
+                f"Shards(drop_remainder=True): sizes the shards from the examples, so expected "
+                f"no shard_size, got shard_size={self.shard_size}. Fix: one of the two."
+            )
 
     def __call__(self, examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The client id (in [0, num_clients); -1: left out) of each example, int64 [examples].
@@ -219,15 +274,18 @@ class Shards:
         """
         labels = _column("Shards", examples, self.label, "label")
         shards = self.num_clients * self.shards_per_client
-        needed = shards * (self.shard_size or 1)
+        size = self.shard_size
+        if self.drop_remainder:
+            size = len(labels) // shards or None  # None: too few examples, refused below.
+        needed = shards * (size or 1)
         if len(labels) < needed:
             raise ValueError(
                 f"Shards: {self.num_clients} clients x {self.shards_per_client} shards of "
-                f"{self.shard_size or 'at least 1'} example(s) need {needed} examples, got "
+                f"{size or 'at least 1'} example(s) need {needed} examples, got "
                 f"{len(labels)}. Fix: fewer clients or shards, or a smaller shard_size."
             )
         rng = np.random.default_rng(self.seed)
-        shuffled = rng.permutation(len(labels))[: needed if self.shard_size else None]
+        shuffled = rng.permutation(len(labels))[: needed if size else None]
         by_label = shuffled[np.argsort(labels[shuffled], kind="stable")]
         owner = rng.permutation(shards) % self.num_clients
         ids = np.full(len(labels), -1, np.int64)

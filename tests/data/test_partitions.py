@@ -65,6 +65,23 @@ def test_iid_of_a_fixed_size_leaves_the_rest_out() -> None:
         fd.IID(num_clients=7, examples_per_client=300)(examples)
 
 
+def test_iid_of_equal_parts_and_iid_of_a_size_alone() -> None:
+    examples = _examples()
+    # drop_remainder: 2000 // 7 = 285 each, the same deal as asking for 285 a client.
+    equal = fd.IID(num_clients=7, drop_remainder=True, seed=2)(examples)
+    assert torch.equal(equal, fd.IID(num_clients=7, examples_per_client=285, seed=2)(examples))
+    assert torch.equal(torch.bincount(equal[equal >= 0]), torch.full((7,), 285))
+    # A size alone: as many clients as the examples fill, the same deal again.
+    sized = fd.IID(examples_per_client=300, seed=2)(examples)
+    assert torch.equal(sized, fd.IID(num_clients=6, examples_per_client=300, seed=2)(examples))
+    assert int(sized.max()) == 5
+    assert int((sized == -1).sum()) == N - 6 * 300
+    with pytest.raises(ValueError, match=r"IID: 2001 clients of at least 1 example\(s\) need 2001"):
+        fd.IID(num_clients=2001, drop_remainder=True)(examples)
+    with pytest.raises(ValueError, match=r"examples_per_client=2001\): one client .* got 2000\."):
+        fd.IID(examples_per_client=2001)(examples)
+
+
 def test_dirichlet_alpha_controls_label_skew() -> None:
     examples = _examples()
     overall = torch.bincount(examples["y"], minlength=LABELS).float() / N
@@ -115,6 +132,16 @@ def test_equal_shards_leave_the_remainder_out() -> None:
     assert float((hist > 0).sum(1).float().mean()) <= 3.0  # about two labels each
     with pytest.raises(ValueError, match=r"of 40 example\(s\) need 2400 examples, got 2000"):
         fd.Shards(num_clients=30, shards_per_client=2, shard_size=40)(examples)
+
+
+def test_shards_of_equal_size_drop_the_remainder() -> None:
+    examples = _examples()
+    # 2000 // (30 x 2) = 33 a shard: the deal of shard_size=33.
+    ids = fd.Shards(num_clients=30, drop_remainder=True, seed=1)(examples)
+    assert torch.equal(ids, fd.Shards(num_clients=30, shard_size=33, seed=1)(examples))
+    assert torch.equal(torch.bincount(ids[ids >= 0]), torch.full((30,), 66))
+    with pytest.raises(ValueError, match=r"1001 clients x 2 shards of at least 1 .* need 2002"):
+        fd.Shards(num_clients=1001, drop_remainder=True)(examples)
 
 
 def test_natural_key() -> None:
@@ -168,6 +195,18 @@ def test_bad_input_is_named() -> None:
         fd.Dirichlet(10, alpha=0.0)
     with pytest.raises(ValueError, match=r"IID\(num_clients=...\): expected an int >= 1, got 0"):
         fd.IID(0)
+    with pytest.raises(ValueError, match=r"IID: expected num_clients=.*or both, got neither"):
+        fd.IID()
+    with pytest.raises(ValueError, match=r"drop_remainder=True\): .*examples_per_client=5\. Fix"):
+        fd.IID(num_clients=3, examples_per_client=5, drop_remainder=True)
+    with pytest.raises(ValueError, match=r"got num_clients=None, examples_per_client=5\. Fix"):
+        fd.IID(examples_per_client=5, drop_remainder=True)
+    with pytest.raises(TypeError, match=r"IID\(drop_remainder=...\): expected a bool, got 1"):
+        fd.IID(3, drop_remainder=1)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"Shards\(drop_remainder=True\): .*shard_size=4\. Fix"):
+        fd.Shards(3, shard_size=4, drop_remainder=True)
+    with pytest.raises(TypeError, match=r"Shards\(drop_remainder=...\): expected a bool"):
+        fd.Shards(3, drop_remainder="yes")  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"same number of examples.*'x': 3, 'y': 2"):
         fd.FederatedDataset.from_tensors({"x": torch.ones(3), "y": torch.ones(2)}, fd.IID(1))
     with pytest.raises(ValueError, match=r"client_ids=...\): expected one client id >= 0"):
