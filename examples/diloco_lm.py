@@ -58,7 +58,7 @@ from torch import nn
 from torch.func import functional_call
 
 import bridge_mr
-from bridge_mr.data import FederatedDataset
+from bridge_mr import data as fd
 
 VOCAB = 256  # bytes
 HELD_OUT_MOD = 8  # modules whose crc32 is 0 mod this are held out
@@ -177,7 +177,7 @@ def windows(
     return torch.from_numpy(text[starts[..., None] + np.arange(length)].astype(np.int64))
 
 
-def replica_windows(corpus: Corpus, context: int) -> FederatedDataset:
+def replica_windows(corpus: Corpus, context: int) -> fd.FederatedDataset:
     """Each replica's text cut into windows of `context + 1` bytes: one client per replica.
 
     Args:
@@ -189,7 +189,7 @@ def replica_windows(corpus: Corpus, context: int) -> FederatedDataset:
       bytes after a replica's last whole window are left out.
     """
     width = context + 1
-    return FederatedDataset.from_clients(
+    return fd.FederatedDataset.from_clients(
         {
             replica: {
                 "tokens": torch.from_numpy(text[: len(text) // width * width].copy()).view(
@@ -199,15 +199,6 @@ def replica_windows(corpus: Corpus, context: int) -> FederatedDataset:
             for replica, text in enumerate(corpus.replicas)
         }
     )
-
-
-def round_batches(train: FederatedDataset, cfg: Config, generator: torch.Generator) -> torch.Tensor:
-    """One round's batches: [replicas, H, batch, context + 1] token ids, each replica's windows
-    drawn without replacement (one gather of `FederatedDataset.round`)."""
-    batches = train.round(
-        batch_size=cfg.batch, steps=cfg.inner_steps, padding=False, generator=generator
-    ).batches
-    return batches["tokens"].long()
 
 
 # The model and its loss: torch, written once.
@@ -404,7 +395,7 @@ class Run:
 def train(
     method: str,
     initial: nn.Module,
-    train_set: FederatedDataset,
+    train_set: fd.FederatedDataset,
     eval_batch: torch.Tensor,
     cfg: Config,
 ) -> Run:
@@ -424,14 +415,23 @@ def train(
 
     model = copy.deepcopy(initial)
     run_round = BUILDERS[method](model, cfg)
-    generator = torch.Generator().manual_seed(cfg.seed + 1)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     result = Run(method, [0], [held_out_loss(model, eval_batch)], [], 0.0, 0.0, 0.0)
     result.bytes_per_step = bytes_per_step(method, param_bytes, cfg)
     bar = tqdm(total=cfg.total_steps, desc=f"{LABELS[method]:>19}", unit="step", leave=True)
     start = time.perf_counter()
-    for round_index in range(cfg.rounds):
-        result.train.append(run_round(round_batches(train_set, cfg, generator)))
+    # Each round: [replicas, H, batch, context + 1] windows, each replica's drawn without
+    # replacement from its own text (the same for every method: the seed's).
+    loop = fd.rounds(
+        train_set,
+        cfg.rounds,
+        batch_size=cfg.batch,
+        steps=cfg.inner_steps,
+        padding=False,
+        generator=cfg.seed + 1,
+    )
+    for round_index, rnd in enumerate(loop):
+        result.train.append(run_round(rnd.batches["tokens"].long()))
         if round_index == 0:
             result.first_round_seconds = time.perf_counter() - start
         result.steps.append((round_index + 1) * cfg.inner_steps)

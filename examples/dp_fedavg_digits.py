@@ -28,7 +28,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from torch import nn
 from torch.func import functional_call
 
 import bridge_mr
-from bridge_mr.data import FederatedDataset
+from bridge_mr import data as fd
 
 LOCAL_LR = 0.2
 LOCAL_STEPS = 4
@@ -48,26 +48,6 @@ LOCAL_STEPS = 4
 SERVER_LR, SERVER_MOMENTUM = 1.0, 0.0
 NOISE_MULTIPLIERS = (0.5, 1.0, 2.0)
 Tensors = dict[str, torch.Tensor]
-
-
-def load_digits(examples_per_client: int, seed: int) -> tuple[FederatedDataset, Tensors]:
-    """Digits as 64 features: a stratified 20% test split; the rest in equal IID shards.
-
-    Args:
-      examples_per_client: images per client (>= 1); leftover images are left out.
-      seed: the split's and the shuffle's seed.
-
-    Returns:
-      The clients' shards (`bridge_mr.data.FederatedDataset`) and the test split.
-    """
-
-    def equal_shards(examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        clients = len(examples["y"]) // examples_per_client
-        return bridge_mr.data.IID(clients, examples_per_client=examples_per_client, seed=seed)(
-            examples
-        )
-
-    return bridge_mr.data.digits(equal_shards, seed=seed)
 
 
 class MLP(nn.Module):
@@ -111,7 +91,7 @@ class Run:
 
 def train(
     initial: nn.Module,
-    data: tuple[FederatedDataset, Tensors],
+    data: tuple[fd.FederatedDataset, Tensors],
     local: Any,
     *,
     noise_multiplier: float | None,
@@ -122,7 +102,7 @@ def train(
 
     Args:
       initial: the initial model (copied, not changed).
-      data: the clients and the test split (`load_digits`).
+      data: the clients and the test split (`bridge_mr.data.digits`).
       local: the clients' `bridge_mr.algorithms.local_training`.
       noise_multiplier: z, or None for the non-private reference.
       args: the command line.
@@ -139,7 +119,6 @@ def train(
     train_set, test = data
     n_clients = train_set.num_clients
     sampler = train_set.sampler(probability=args.q, generator=args.seed)
-    batch_order = torch.Generator().manual_seed(args.seed + 2)
     noise = torch.Generator().manual_seed(args.seed + 1)  # the noise's key: ours, not torch's
     delta = n_clients**-1.1
     accountant = None
@@ -147,18 +126,19 @@ def train(
         accountant = alg.PrivacyAccountant(noise_multiplier, sampler.sampling_probability)
     run = Run(noise_multiplier, [], [], [], [])
     name = "no privacy" if noise_multiplier is None else f"z={noise_multiplier:g}"
-    for round_index in range(args.rounds):
-        cohort = sampler.sample()
-        # Every local step sees the client's whole shard: [cohort, steps, per_client, ...].
-        rnd = train_set.round(
-            cohort,
-            batch_size=args.examples_per_client,
-            steps=LOCAL_STEPS,
-            epochs=LOCAL_STEPS,
-            padding=False,
-            generator=batch_order,
-        )
-        batches = {"x": rnd.batches["x"], "y": rnd.batches["y"]}  # no padding slot: no mask
+    # Every local step sees the client's whole shard (one pass a step): [cohort, steps,
+    # per_client, ...], no slot padding (the loss needs no mask), a Poisson cohort a round.
+    loop = fd.rounds(
+        train_set,
+        args.rounds,
+        sampler=sampler,
+        batch_size=args.examples_per_client,
+        epochs=LOCAL_STEPS,
+        padding=False,
+        generator=args.seed + 2,
+    )
+    for round_index, rnd in enumerate(loop):
+        cohort, batches = rnd.cohort, rnd.batches
         if accountant is None:
             metrics = alg.outer_step(local, params, batches, weights=rnd.weights, strategy="vmap")
             clipped = 0.0
@@ -278,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     # dp-accounting logs (absl, WARNING) each Renyi order it drops from the RDP bound as it
     # computes epsilon; the bound over the remaining orders is still valid.
     logging.getLogger("absl").setLevel(logging.ERROR)
-    data = load_digits(args.examples_per_client, args.seed)
+    # Clients of `--examples-per-client` IID images each (as many as fill), 20% held out.
+    shards = fd.IID(examples_per_client=args.examples_per_client, seed=args.seed)
+    data = fd.digits(shards, seed=args.seed)
     n_clients = data[0].num_clients
     torch.manual_seed(args.seed)
     initial = MLP()

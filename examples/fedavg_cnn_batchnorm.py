@@ -28,9 +28,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -41,7 +40,7 @@ from torch import nn
 from torch.func import functional_call
 
 import bridge_mr
-from bridge_mr.data import FederatedDataset
+from bridge_mr import data as fd
 
 LOCAL_LR = 0.1  # the clients' SGD learning rate
 LOCAL_STEPS = 10
@@ -49,55 +48,6 @@ BATCH_SIZE = 32
 ROUNDS, QUICK_ROUNDS = 30, 8
 Tensors = dict[str, torch.Tensor]
 Arrays = dict[str, jax.Array]
-
-
-# The data: equal client shards (bridge_mr.data), each round's batches, a held-out test split.
-
-
-def load_digits(n_clients: int, seed: int) -> tuple[FederatedDataset, Tensors]:
-    """Digits as 1x8x8 images: a stratified test split, the rest shuffled into equal shards.
-
-    Args:
-      n_clients: how many clients share the training examples (1 to 1437).
-      seed: the split's and the shuffle's seed.
-
-    Returns:
-      The client shards (examples that do not fill a whole shard are left out) and the test
-      set ({"x": [360, 1, 8, 8], "y": [360]}).
-
-    Raises:
-      ValueError: `n_clients` is out of range.
-    """
-
-    def equal_shards(examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        total = len(examples["y"])
-        if not 1 <= n_clients <= total:
-            raise ValueError(f"--clients must be between 1 and {total}; got {n_clients}")
-        iid = bridge_mr.data.IID(n_clients, examples_per_client=total // n_clients, seed=seed)
-        return iid(examples)
-
-    return bridge_mr.data.digits(equal_shards, shape=(1, 8, 8), seed=seed)
-
-
-def client_batches(train: FederatedDataset, *, rounds: int, seed: int) -> Iterator[Tensors]:
-    """Each round, `LOCAL_STEPS` batches per client from its own shard: [clients, steps, b, ...].
-
-    Passes over each shard, each in a fresh order, cut to the steps (no padding: the shards
-    are equal). The batches depend only on `seed`, so both trainings see the same data.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    per_client = int(train.example_counts[0])
-    batch_size = min(BATCH_SIZE, per_client)
-    passes = math.ceil(LOCAL_STEPS * batch_size / per_client)
-    for _ in range(rounds):
-        batches = train.round(
-            batch_size=batch_size,
-            steps=LOCAL_STEPS,
-            epochs=passes,
-            padding=False,
-            generator=generator,
-        ).batches
-        yield {"x": batches["x"], "y": batches["y"]}
 
 
 # The model and its loss: torch, written once.
@@ -256,18 +206,22 @@ def train(
     name: str,
     model: nn.Module,
     run_round: Callable[[int, Tensors], Tensors],
-    data: tuple[FederatedDataset, Tensors],
+    data: tuple[fd.FederatedDataset, Tensors],
     *,
     rounds: int,
     seed: int,
 ) -> FedAvgRun:
     """Trains `model` in place with FedAvg: `rounds` calls of `run_round`, then the test.
 
+    Each round every client takes `LOCAL_STEPS` batches from its own shard (passes over it,
+    each in a fresh order, as many as the steps need: `cycle=True`); the batches depend only
+    on `seed`, so both trainings see the same data.
+
     Args:
       name: the implementation's name, for the result.
       model: the server model, which `run_round` updates.
       run_round: `bridge_mr_fedavg(model, ...)` or `torch_fedavg(model)`.
-      data: the clients' shards and the test split (`load_digits`).
+      data: the clients' equal shards and the test split (`bridge_mr.data.digits`).
       rounds: how many rounds.
       seed: the batches' seed.
 
@@ -278,8 +232,12 @@ def train(
     first_round = float("nan")
     start = time.perf_counter()
     train_set, test = data
-    for round_index, batches in enumerate(client_batches(train_set, rounds=rounds, seed=seed)):
-        losses.append(run_round(round_index, batches)["loss"].item())
+    batch_size = min(BATCH_SIZE, int(train_set.example_counts.min()))
+    loop = fd.rounds(
+        train_set, rounds, batch_size=batch_size, steps=LOCAL_STEPS, cycle=True, generator=seed
+    )
+    for round_index, rnd in enumerate(loop):  # no slot is padding: the loss needs no mask
+        losses.append(run_round(round_index, rnd.batches)["loss"].item())
         if round_index == 0:
             first_round = time.perf_counter() - start
     seconds = time.perf_counter() - start
@@ -320,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> list[FedAvgRun]:
     """Trains the CNN with FedAvg both ways; prints and returns the two runs."""
     args = parse_args(argv)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
-    data = load_digits(args.clients, args.seed)
+    # Equal IID shards of the training split (the rest left out), a stratified test split.
+    shards = fd.IID(args.clients, drop_remainder=True, seed=args.seed)
+    data = fd.digits(shards, shape=(1, 8, 8), seed=args.seed)
     n_clients, per_client = data[0].num_clients, int(data[0].example_counts[0])
     torch.manual_seed(args.seed)
     initial = CNN()

@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
-import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -34,7 +32,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 import bridge_mr
-from bridge_mr.data import FederatedDataset
+from bridge_mr import data as fd
 
 # No JAX computation before `torch_xla.device()` below: torch-xla's runtime must own the TPU
 # before JAX could start a backend of its own (importing JAX starts none).
@@ -45,53 +43,7 @@ ROUNDS, QUICK_ROUNDS = 60, 5
 Tensors = dict[str, torch.Tensor]
 
 
-# The data (bridge_mr.data): the clients' examples on the XLA device, a held-out test split.
-
-
-def load_digits(
-    n_clients: int, seed: int, device: torch.device
-) -> tuple[FederatedDataset, Tensors]:
-    """Digits with label skew (McMahan et al., 2017): each client gets 2 label-sorted shards.
-
-    Returns the clients' examples ("x" [64] in [0, 1], "y" one-hot [10]) on `device`, and the
-    test split there ("y": class indices).
-    """
-
-    def shards(examples: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        size = len(examples["y"]) // (2 * n_clients)
-        return bridge_mr.data.Shards(n_clients, shard_size=size, seed=seed)(examples)
-
-    train, test = bridge_mr.data.digits(shards, seed=seed)
-    one_hot = torch.nn.functional.one_hot(train.examples["y"], 10).to(torch.float32)
-    examples = {"x": train.examples["x"], "y": one_hot}
-    return FederatedDataset(examples, train.offsets).to(device), {
-        name: value.to(device) for name, value in test.items()
-    }
-
-
-def client_batches(
-    train: FederatedDataset, *, rounds: int, batch_size: int, seed: int, spmd: bool
-) -> Iterator[Tensors]:
-    """Each round: `LOCAL_STEPS` batches per client from its own shard, [clients, steps, b, ...].
-
-    One gather on the XLA device per field (`FederatedDataset.round`: passes over each shard,
-    each in a fresh order, cut to the steps); under SPMD the batches are sharded along the
-    global mesh's "clients" axis.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    passes = math.ceil(LOCAL_STEPS * batch_size / int(train.example_counts[0]))
-    for _ in range(rounds):
-        batches = train.round(
-            batch_size=batch_size,
-            steps=LOCAL_STEPS,
-            epochs=passes,
-            padding=False,
-            generator=generator,
-        ).batches
-        batch = {"x": batches["x"], "y": batches["y"]}
-        if spmd:
-            shard_clients(batch)
-        yield batch
+# The clients' batches under SPMD: sharded along the global mesh's "clients" axis.
 
 
 def shard_clients(batch: Tensors) -> str:
@@ -190,18 +142,22 @@ class FedAvgRun:
 
 
 def train_fedavg(
-    name: str, model: torch.nn.Module, test: Tensors, rounds: Iterator[Tensors]
+    name: str, model: torch.nn.Module, test: Tensors, rounds: Iterator[fd.Round], spmd: bool
 ) -> FedAvgRun:
     """FedAvg: the clients' mean delta is the pseudo-gradient of a server SGD (lr 1) step.
 
     One `torch_xla.sync()` per round: without it torch-xla's lazy graph would hold every round
-    so far (the parameters are never materialized) and compile anew each round.
+    so far (the parameters are never materialized) and compile anew each round. Under SPMD
+    each round's batches are sharded along the global mesh's "clients" axis.
     """
     update_fn = bridge_mr_update if name == "bridge_mr" else torch_func_update(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     losses: list[float] = []
     seconds: list[float] = []
-    for batches in rounds:
+    for rnd in rounds:
+        batches = rnd.batches  # no slot is padding: the loss needs no mask
+        if spmd:
+            shard_clients(batches)
         start = time.perf_counter()
         with torch.no_grad():
             update = update_fn(dict(model.named_parameters()), batches)
@@ -255,14 +211,24 @@ def main(argv: Sequence[str] | None = None) -> ExampleResult:
         xs.set_global_mesh(xs.Mesh(np.arange(n_devices), (n_devices,), ("clients",)))
     device = torch_xla.device()
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
-    train, test = load_digits(args.clients, args.seed, device)
+    # Label skew (McMahan et al., 2017): 2 label-sorted shards a client, on the XLA device.
+    shards = fd.Shards(args.clients, drop_remainder=True, seed=args.seed)
+    train, test = fd.digits(shards, seed=args.seed, device=device)
+    # One-hot float labels for the loss: int64 ones would cost a range check (a sync) a round.
+    one_hot = torch.nn.functional.one_hot(train.examples["y"], 10).to(torch.float32)
+    train = fd.FederatedDataset({**train.examples, "y": one_hot}, train.offsets)
     n_clients, per_client = train.num_clients, int(train.example_counts[0])
     batch_size = min(32, per_client)
-    rounds_of = functools.partial(
-        client_batches, train, batch_size=batch_size, seed=args.seed, spmd=spmd
-    )
-    # A first round's batches (unsharded, unused), to say how the rounds' batches are sharded.
-    first = next(client_batches(train, rounds=1, batch_size=batch_size, seed=args.seed, spmd=False))
+
+    def rounds_of(count: int) -> Iterator[fd.Round]:
+        """`count` rounds of `LOCAL_STEPS` batches a client, from its own shard (passes over
+        it, each in a fresh order, as many as the steps need); the same on every call."""
+        return fd.rounds(
+            train, count, batch_size=batch_size, steps=LOCAL_STEPS, cycle=True, generator=args.seed
+        )
+
+    # A first round's batches (unused), to say how the rounds' batches are sharded.
+    first = next(rounds_of(1)).batches
     client_sharding = shard_clients(first) if spmd else "one device"
     torch.manual_seed(args.seed)
     initial = MLP().to(device)
@@ -277,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> ExampleResult:
     names = IMPLEMENTATIONS[:1] if args.no_baseline else IMPLEMENTATIONS
     runs = []
     for name in names:
-        run = train_fedavg(name, copy.deepcopy(initial), test, rounds_of(rounds=rounds))
+        run = train_fedavg(name, copy.deepcopy(initial), test, rounds_of(rounds), spmd)
         print(
             f"  {name:<10}  loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}  "
             f"test accuracy {run.accuracy:6.1%}  first two rounds (compiling) "
