@@ -279,10 +279,11 @@ class Shards:
             size = len(labels) // shards or None  # None: too few examples, refused below.
         needed = shards * (size or 1)
         if len(labels) < needed:
+            smaller = "" if self.drop_remainder else ", or a smaller shard_size"
             raise ValueError(
                 f"Shards: {self.num_clients} clients x {self.shards_per_client} shards of "
                 f"{size or 'at least 1'} example(s) need {needed} examples, got "
-                f"{len(labels)}. Fix: fewer clients or shards, or a smaller shard_size."
+                f"{len(labels)}. Fix: fewer clients or shards{smaller}."
             )
         rng = np.random.default_rng(self.seed)
         shuffled = rng.permutation(len(labels))[: needed if size else None]

@@ -7,15 +7,16 @@ import dataclasses
 import functools
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import torch
 
+from bridge_mr import data as fd
+
 from ._baseline import TorchFuncClients, TorchLoopClients
 from ._clients import BridgeClients
-from ._data import N_CLASSES, FederatedDigits, client_batches, load_federated_digits
-from ._model import MLP
+from ._model import MLP, N_CLASSES
 from ._report import (
     Comparison,
     comparisons,
@@ -30,6 +31,7 @@ from ._train import (
     FedSGDConfig,
     PhaseResult,
     Run,
+    Tensors,
     fedavg_step,
     fedsgd_step,
     train,
@@ -99,7 +101,7 @@ def run_demo(
     Raises:
       ValueError: `config.rounds` is below 2 (a first round and a later one),
         `config.torch_threads` below 1, or `config.clients` not between 1 and 718 (two
-        non-empty shards each).
+        non-empty shards each: `bridge_mr.data.Shards` says so).
     """
     if config.rounds < 2:
         raise ValueError(
@@ -112,7 +114,10 @@ def run_demo(
             f"{config.torch_threads}. Pass torch_threads=1, or the number of cores."
         )
     start = time.perf_counter()
-    data = load_federated_digits(config.clients, seed=config.seed)
+    # Label skew (McMahan et al., 2017): each client 2 of 2 x clients equal label-sorted shards
+    # of the training split (examples that fill no whole shard left out); 20% held out.
+    shards = fd.Shards(config.clients, drop_remainder=True, seed=config.seed)
+    data = fd.digits(shards, seed=config.seed)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(config.torch_threads)
     try:
@@ -143,7 +148,7 @@ def run_demo(
 
 def _train_all(
     config: DemoConfig,
-    data: FederatedDigits,
+    data: tuple[fd.FederatedDataset, Tensors],
     default_threads: int,
     show_progress: bool,
     echo: Callable[[str], None],
@@ -151,7 +156,8 @@ def _train_all(
     """Describes the runs, then trains FedSGD, then FedAvg, every implementation side by side."""
     torch.manual_seed(config.seed)
     initial = MLP()
-    batch_size = min(32, data.per_client)
+    train_set, test = data
+    batch_size = min(32, int(train_set.example_counts.min()))
     fedsgd = FedSGDConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     fedavg = FedAvgConfig(rounds=config.rounds, batch_size=batch_size, seed=config.seed)
     _describe(config, data, initial, fedsgd, fedavg, default_threads, echo)
@@ -172,15 +178,9 @@ def _train_all(
             model = copy.deepcopy(initial)
             clients = make_clients(model)
             runs.append(Run(model, clients.name, step(model, clients)))
-        batches = client_batches(
-            data,
-            rounds=config.rounds,
-            batch_size=batch_size,
-            local_steps=local_steps,
-            seed=config.seed,
-        )
+        batches = _batches(train_set, config, batch_size, local_steps)
         results = train(
-            algorithm, runs, batches, data, rounds=config.rounds, show_progress=show_progress
+            algorithm, runs, batches, test, rounds=config.rounds, show_progress=show_progress
         )
         for r in results:
             echo(
@@ -192,9 +192,28 @@ def _train_all(
     return phases
 
 
+def _batches(
+    train_set: fd.FederatedDataset, config: DemoConfig, batch_size: int, local_steps: int | None
+) -> Iterator[Tensors]:
+    """Each round's {"x", "y"} for every client: [clients, batch_size, ...] (FedSGD), or
+    [clients, local_steps, batch_size, ...] (FedAvg: passes over each client's data, each in a
+    fresh order, as many as the steps need). The seed's: every implementation sees the same."""
+    loop = fd.rounds(
+        train_set,
+        config.rounds,
+        batch_size=batch_size,
+        steps=local_steps or 1,
+        cycle=True,
+        generator=config.seed,
+    )
+    for rnd in loop:  # no slot is padding: the mask is left out
+        batch = {name: rnd.batches[name] for name in ("x", "y")}
+        yield batch if local_steps else {name: value.squeeze(1) for name, value in batch.items()}
+
+
 def _describe(
     config: DemoConfig,
-    data: FederatedDigits,
+    data: tuple[fd.FederatedDataset, Tensors],
     model: torch.nn.Module,
     fedsgd: FedSGDConfig,
     fedavg: FedAvgConfig,
@@ -203,13 +222,17 @@ def _describe(
 ) -> None:
     """Prints the data, the model, the two algorithms and the implementations."""
     n_params = sum(p.numel() for p in model.parameters())
-    digits = (torch.nn.functional.one_hot(data.client_y, N_CLASSES).sum(dim=1) > 0).sum(dim=-1)
+    train_set, test = data
+    n_clients = train_set.num_clients
+    owner = torch.repeat_interleave(torch.arange(n_clients), train_set.example_counts)
+    pairs = torch.unique(owner * N_CLASSES + train_set.examples["y"])  # (client, digit) held
+    digits = torch.bincount(pairs // N_CLASSES, minlength=n_clients)
     fewest, most = int(digits.min()), int(digits.max())
     echo(
-        f"data: scikit-learn digits, {data.n_clients} clients x {data.per_client} examples "
-        f"(label-skewed: 2 label-sorted shards each, so each client holds "
+        f"data: scikit-learn digits, {n_clients} clients x {int(train_set.example_counts[0])} "
+        f"examples (label-skewed: 2 label-sorted shards each, so each client holds "
         f"{fewest if fewest == most else f'{fewest} to {most}'} of the 10 digits), "
-        f"{len(data.test_y)} held-out test examples"
+        f"{len(test['y'])} held-out test examples"
     )
     echo(
         f"model: MLP 64-64-10 ({n_params:,} parameters), written once in torch; "

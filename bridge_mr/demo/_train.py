@@ -16,7 +16,6 @@ from typing import Protocol, TypedDict
 import torch
 from torch import nn
 
-from ._data import FederatedDigits
 from ._machine import OtherProcessesCPU
 from ._model import accuracy
 
@@ -46,7 +45,7 @@ class Clients(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class _RoundsConfig:
-    """What both loops draw their clients' batches by (`client_batches`)."""
+    """What both loops draw their clients' batches by (`bridge_mr.data.rounds`)."""
 
     rounds: int = 60
     batch_size: int = 32
@@ -162,7 +161,7 @@ def train(
     algorithm: str,
     runs: Sequence[Run],
     batches: Iterable[Tensors],
-    data: FederatedDigits,
+    test: Tensors,
     *,
     rounds: int,
     show_progress: bool = True,
@@ -177,7 +176,7 @@ def train(
       algorithm: the name the results carry ("FedSGD", "FedAvg").
       runs: the implementations' models and round functions.
       batches: one batch per round, shared by every run.
-      data: for the test accuracy of each model after the last round.
+      test: the held-out split ({"x", "y"}), for each model's accuracy after the last round.
       rounds: how many batches `batches` yields (the progress bar's length).
       show_progress: a progress bar (on stderr, when it is a terminal).
 
@@ -210,7 +209,7 @@ def train(
             algorithm=algorithm,
             implementation=run.implementation,
             losses=losses[i],
-            accuracy=accuracy(run.model, data.test_x, data.test_y),
+            accuracy=accuracy(run.model, test["x"], test["y"]),
             round_seconds=seconds[i],
             other_cpu=other_cpu,
         )

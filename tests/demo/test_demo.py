@@ -203,9 +203,15 @@ def test_a_first_round_no_slower_needs_no_catching_up() -> None:
     assert once.describe().endswith(", made up after 1 later round (this run: 1)")
 
 
-@pytest.mark.parametrize("clients", [0, 719])
-def test_impossible_client_counts_are_refused(clients: int) -> None:
-    with pytest.raises(ValueError, match="n_clients must be between 1 and 718"):
+@pytest.mark.parametrize(
+    ("clients", "message"),
+    [
+        (0, r"Shards\(num_clients=...\): expected an int >= 1, got 0"),
+        (719, r"719 clients x 2 shards .* need 1438 examples, got 1437\. Fix: fewer clients"),
+    ],
+)
+def test_impossible_client_counts_are_refused(clients: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         run_demo(DemoConfig(clients=clients, rounds=2), show_progress=False)
 
 
