@@ -23,7 +23,7 @@ is the loop of both::
 | `IID(n)` | a shuffled, near-equal share (`drop_remainder=True`: equal) |
 | `IID(examples_per_client=k)` | `k` shuffled examples each, as many clients as fill |
 | `Dirichlet(n, alpha, label="y")` | each label split by a Dirichlet(alpha) draw |
-| `Shards(n, shards_per_client=2, label="y")` | a few label-sorted shards (McMahan et al.) |
+| `Shards(n, shards_per_client=2)` | label-sorted shards, McMahan et al. (`drop_remainder`: equal) |
 | `NaturalKey("user")` | one client per distinct value of a field |
 
 `FederatedDataset.from_dataset` reads a map-style `torch.utils.data.Dataset` (a torchvision
