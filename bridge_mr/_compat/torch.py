@@ -27,6 +27,7 @@ __all__ = [
     "graph_break_resumes",
     "is_functional_tensor",
     "is_op_overload",
+    "pad_sequence",
     "tensor_from_capsule",
     "version_of",
 ]
@@ -46,6 +47,11 @@ functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transf
 flatten_dense_tensors: Callable[[list[torch.Tensor]], torch.Tensor] = (
     torch._C._nn.flatten_dense_tensors
 )
+
+#: `torch._C._nn.pad_sequence`: what `torch.nn.utils.rnn.pad_sequence` (and `pack_sequence`)
+#: calls to pad a list of sequences into one tensor, the function torch function modes see.
+#: torch 2.9 - 2.13.
+pad_sequence: Callable[..., torch.Tensor] = torch._C._nn.pad_sequence
 
 #: `torch._foreach_copy_`: copies each source tensor into its destination (same shapes; dtypes
 #: and devices converted), one dispatcher call for the whole list. torch 2.9 - 2.13.

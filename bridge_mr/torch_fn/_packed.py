@@ -67,11 +67,8 @@ def is_pack(func: Any) -> bool:
 
 
 def is_pad_sequence(func: Any) -> bool:
-    """Whether `func` is what `nn.utils.rnn.pad_sequence` (and `pack_sequence`) calls to pad:
-    `torch._C._nn.pad_sequence` (torch 2.9 - 2.13)."""
-    return getattr(func, "__name__", None) == "pad_sequence" and (
-        getattr(func, "__module__", None) == "torch._C._nn"
-    )
+    """Whether `func` is what `nn.utils.rnn.pad_sequence` (and `pack_sequence`) calls to pad."""
+    return func is torch_compat.pad_sequence
 
 
 def is_unpack(func: Any) -> bool:
@@ -244,8 +241,8 @@ def _values(tensor: torch.Tensor) -> np.ndarray | None:
 
 
 def pad_sequence(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.Tensor:
-    """`torch._C._nn.pad_sequence` (what `pack_sequence` calls), as pads and a stack (see the
-    module docstring)."""
+    """What `nn.utils.rnn.pad_sequence` (and `pack_sequence`) calls to pad, as pads and a stack
+    (see the module docstring)."""
     names = ("sequences", "batch_first", "padding_value", "padding_side")
     bound = dict(zip(names, args, strict=False)) | (kwargs or {})
     sequences = bound["sequences"]
