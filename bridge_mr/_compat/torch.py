@@ -30,6 +30,7 @@ __all__ = [
     "pad_sequence",
     "tensor_from_capsule",
     "version_of",
+    "writes_first_argument",
 ]
 
 _Tensor = torch.Tensor
@@ -81,6 +82,16 @@ def is_op_overload(func: Any) -> bool:
     `__torch_dispatch__` sees it, rather than a Python-level function (`torch.add`).
     `torch._ops.OpOverload`, torch 2.9 - 2.13."""
     return isinstance(func, torch._ops.OpOverload)
+
+
+def writes_first_argument(func: Any) -> bool:
+    """Whether `func` is one overload of a dispatcher op that writes into its first argument
+    (`aten.copy_`, `aten.fill_.Scalar`, `aten.add_.Tensor`): the argument's alias annotation in
+    the op's schema (`Tensor(a!) self`), read from `OpOverload._schema`. torch 2.9 - 2.13."""
+    if not isinstance(func, torch._ops.OpOverload) or not func._schema.arguments:
+        return False
+    alias = func._schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def dispatches_to_python(tensor: torch.Tensor) -> bool:

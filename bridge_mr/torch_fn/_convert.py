@@ -16,6 +16,7 @@ import torch
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torchax as torchax_compat
 
+from ._aliases import current
 from ._environment import UnsupportedTorchOperation, environment, keyed, traceable
 
 __all__ = ["FromTorch", "client_keys", "from_torch"]
@@ -170,7 +171,7 @@ def _to_jax(value: Any, fn: FromTorch, tx: Any, env: Any) -> Any:
     if isinstance(value, tx.View):
         value = env.v2t_iso(value)
     if isinstance(value, tx.Tensor):
-        return torchax_compat.value_of(value)
+        return torchax_compat.value_of(current(value))  # a view, as its root now holds it
     if isinstance(value, torch.Tensor):
         raise UnsupportedTorchOperation(
             f"{fn!r} returned a {value.device.type} torch tensor of shape {tuple(value.shape)} "

@@ -32,7 +32,7 @@ from torch.utils import _pytree as torch_pytree
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._compat import torchax as torchax_compat
 
-from . import _packed, _recurrent
+from . import _aliases, _lowerings, _packed, _recurrent
 
 __all__ = [
     "UnsupportedTorchOperation",
@@ -121,6 +121,8 @@ def environment() -> Any:
         env = tx.Environment()
         # A CPU scalar tensor the function captured would become a constant of the trace.
         env.config.allow_mixed_math_with_scalar_tensor = False
+        # Innermost: writes through views (copies in torchax) reach their base.
+        _aliases.install(env, UnsupportedTorchOperation, user_line)
         env.dispatch = functools.partial(_strict_dispatch, tx, env.dispatch)
         # torchax's own Python methods (`Tensor.__setitem__`: `out[1] = x` into a tensor made
         # inside) read their arguments' JAX values here: functionalization's wrappers give the
@@ -136,6 +138,7 @@ def environment() -> Any:
         env.override_op_definition(
             _aten._native_batch_norm_legit_functional.default, _batch_norm_functional
         )
+        _lowerings.install(env)  # embedding_bag, multilabel_margin_loss
         # nn.LSTM / GRU / RNN as scans over time (outermost: above functionalization's wrappers).
         _recurrent.install(env, UnsupportedTorchOperation, user_line)
         _ENVIRONMENT.append(env)
@@ -170,6 +173,19 @@ def _writes_into_own(
     if not (in_place or name in _IN_PLACE_OPERATORS):
         return False
     return any(torch_compat.is_functional_tensor(t) for t in tensors)
+
+
+def _into_out(tx: torchax_compat.Torchax, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """`func(*args, **kwargs)` whose `out=` is a tensor of the function's own (`torch.cat(xs,
+    out=buffer)`): computed without it, then written into it (resized where torch resizes)."""
+    out = kwargs["out"]
+    result = _packed.inner(func(*args, **{k: v for k, v in kwargs.items() if k != "out"}))
+    if isinstance(out, tx.Tensor) and out.shape != result.shape:
+        dtype = torchax_compat.value_of(out).dtype
+        torchax_compat.rebind(out, torchax_compat.value_of(result).astype(dtype))
+    else:
+        out.copy_(result)
+    return out
 
 
 def _values_held(t2j_iso: Any, tensors: Any) -> Any:
@@ -239,6 +255,8 @@ def _strict_dispatch(
             (data,),
             {"dtype": dtype, "device": torchax_compat.device()},
         )
+    if not aten and kwargs and isinstance(kwargs.get("out"), (tx.Tensor, tx.View)):
+        return _into_out(tx, func, args, kwargs)
     if not aten and _writes_into_own(tx, func, args, tensors):
         # A write into a tensor made inside the function (`out = torch.zeros(3, 5); out[1] = x`):
         # torchax made it a JAX value of its own, outside functionalization, and torch refuses

@@ -21,8 +21,9 @@ length above the padded length acts as that length, and unsorted lengths with
 Unpacking traced lengths needs `total_length`: torch pads to the longest length, a traced value.
 
 `nn.utils.rnn.pad_sequence` (which `pack_sequence` calls) is computed here as pads and a stack:
-torch's own C++ kernel, which writes each sequence into a slice of a new output tensor, came
-out as padding only under from_torch (its writes were lost; the cause lies outside this module).
+torch's own C++ kernel writes each sequence into a slice of a new output tensor, below
+functionalization, and those writes into torchax's copies of the slices were lost (`_aliases`
+now carries such writes to their base; pads and a stack remain the simpler program).
 """
 
 from __future__ import annotations
