@@ -5,8 +5,8 @@ value), losses written the usual torch way (`torch.func.functional_call`, the mo
 `labels=` loss or `F.cross_entropy`):
 
 * `TINY`: one tiny net per layer family (MLP + LayerNorm, Conv + BatchNorm, Conv + GroupNorm,
-  LSTM, GRU, a transformer encoder layer) over `x`/`y` batches: `tests/torch_fn/test_from_torch.py`
-  and docs/from_torch.md's coverage table.
+  LSTM, GRU, a transformer encoder layer) over `x`/`y` batches: `tests/torch_fn/test_zoo_rounds.py`
+  (and the other from_torch tests) and docs/from_torch.md's coverage table.
 * `ZOO`: small random-init configs of the models users train (transformers and torch.nn), each a
   `ZooModel` with a batch maker and a client loss; BatchNorm models train their running
   statistics, which `from_torch(..., mutable=1)` hands back: `tests/torch_fn/test_model_zoo.py`,

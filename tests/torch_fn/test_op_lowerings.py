@@ -15,13 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers.against_torch import check
+from helpers.from_torch import close
 from torch import nn
 
 import bridge_mr
+from bridge_mr.torch_fn import UnsupportedTorchOperation
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Explicitly requested dtype int64 requested in:UserWarning"
@@ -149,3 +152,21 @@ def test_fill_diagonal_checks_its_input_as_torch_does() -> None:
         fn(torch.ones(3))
     with pytest.raises(RuntimeError, match="all dimensions of input must be of equal length"):
         bridge_mr.from_torch(fn)(jnp.ones(3))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_gather_reads_like_torch_with_a_smaller_index(dim: int) -> None:
+    x = torch.randn(3, 5)
+    index = torch.tensor([[0, 2], [1, 1]]) % x.shape[dim]
+    got = bridge_mr.from_torch(lambda x, i: torch.gather(x, dim, i))(
+        jnp.asarray(x.numpy()), jnp.asarray(index.numpy().astype(np.int32))
+    )
+    close(got, torch.gather(x, dim, index), "gather")
+
+
+def test_gather_with_a_bad_dim_or_index_shape_is_an_error() -> None:
+    x = jnp.ones((2, 3))
+    with pytest.raises(UnsupportedTorchOperation, match="dim=3"):
+        bridge_mr.from_torch(lambda x, i: torch.gather(x, 3, i))(x, jnp.zeros((2, 1), jnp.int32))
+    with pytest.raises(UnsupportedTorchOperation, match="index shape"):
+        bridge_mr.from_torch(lambda x, i: torch.gather(x, 1, i))(x, jnp.zeros((4, 1), jnp.int32))

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.against_torch import check
+from helpers.from_torch import close
 from torch import nn
 
 import bridge_mr
@@ -315,3 +316,15 @@ def test_a_write_into_a_view_of_another_dtype_is_refused(how: str) -> None:
         UnsupportedTorchOperation, match=r"reinterprets its base's dtype.*Fix: compute"
     ):
         bridge_mr.from_torch(fn)(jnp.ones(3))
+
+
+def test_in_place_ops_and_views_on_intermediates_work() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        h[0] += 1.0  # in place through a view
+        h.relu_()
+        h.view(-1)[1:3].mul_(3.0)
+        return h.t().contiguous().sum(0)
+
+    x = torch.randn(3, 4)
+    close(bridge_mr.from_torch(fn)(jnp.asarray(x.numpy())), fn(x.clone()), "in-place")
