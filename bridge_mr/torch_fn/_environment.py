@@ -9,7 +9,8 @@ dispatch refuses those cases with errors that name the op and the user's source 
 overrides the ops whose torchax lowering differs from torch's (`aten.detach` keeps
 gradients there; batch norm's running statistics are not written back, and torch updates
 `running_var` with the unbiased variance; `bernoulli.p` is boolean there; `gather` fails on
-values sharded over an Explicit mesh).
+values sharded over an Explicit mesh; more in `_lowerings`). `_aliases` makes writes through
+views reach their base, and `out=` of a tensor made inside is written as torch writes it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ unweighted: off by 9.1 on the probe's inputs; padding rows were summed: off by 1
 class 0 (off by 1.1, gradients by 0.33); torchax's norms have NaN gradients at a zero norm where
 torch's are 0 (`F.normalize` of a zero row, `torch.cdist(x, x)`, every `F.pdist`);
 functionalization refused `fill_diagonal_`. Values eager and jitted, gradients under
-`jax.jit(jax.grad(...))`.
+`jax.jit(jax.grad(...))`. Also `gather` (bridge_mr's `take_along_axis`, which reads an index
+smaller than the input as torch does and checks its shape).
 """
 
 from __future__ import annotations

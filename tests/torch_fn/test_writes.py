@@ -7,7 +7,8 @@ running statistics through an alias), and into tensors the function made itself
 (`out.diagonal().copy_(x)`, `out.view(2, 3)[1] = x`, `out.t()[0].fill_(2)`). Each is checked
 against torch: values eager and jitted, gradients under `jax.jit(jax.grad(...))`, and the
 circular padding also under `vmap` and `map_reduce`. Then writes torch refuses or this cannot
-carry back, refused with `UnsupportedTorchOperation`.
+carry back, refused with `UnsupportedTorchOperation`; and the code's own in-place ops on
+intermediates, through views (functionalized, as they always were).
 """
 
 from __future__ import annotations
