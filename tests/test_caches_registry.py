@@ -38,6 +38,8 @@ NOT_CACHES = {
     "bridge_mr.dlpack._import.ACTIVE": "the open conversion-statistics blocks (a stack)",
     "bridge_mr.dlpack._stats.ACTIVE": "the open conversion-statistics blocks (a stack)",
     "bridge_mr.dlpack._import._FLAGS": "a constant table",
+    "bridge_mr.dlpack._owed._HANDLES": "the handles of live imports, weakly: the exit waits "
+    "for XLA to release them (clearing would hide owed releases from it)",
     "bridge_mr.dlpack._runtime._cache_generation": "the backends the device cache was filled "
     "from, compared by identity",
     "bridge_mr.torch_fn._environment._ENVIRONMENT": "the torchax environment, built once",

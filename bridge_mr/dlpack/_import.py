@@ -32,7 +32,7 @@ import torch
 from bridge_mr import _caches, _dtypes
 from bridge_mr._compat import torch as _torch_compat
 
-from . import _runtime
+from . import _owed, _runtime
 from ._stats import ACTIVE, record
 
 _WIDE = 1  # a 64-bit dtype, which needs JAX's x64 mode
@@ -243,6 +243,7 @@ def _import_all(
     append = out.append
     to_array = _runtime.capsule_to_array
     to_capsule = _runtime.tensor_to_capsule
+    keep = _owed.record  # Each capsule's handle, so that exit waits for XLA to release it.
     cuda_ready: dict[int, tuple[Any, int | None]] = {}
     for index, tensor in enumerate(tensors):
         # Fast path for row-major tensors. Anything else (including a failure here that
@@ -251,19 +252,18 @@ def _import_all(
         try:
             on_cpu = tensor.is_cpu
             if (on_cpu or tensor.is_cuda) and _shareable_as_is(tensor):
-                if tensor.requires_grad:
-                    # Without this the capsule would keep the autograd graph alive.
-                    tensor = tensor.detach()
+                alias = tensor.detach()  # `_owed.handle`, inline
+                keep(alias)
                 if on_cpu:
                     if cpu is None:
                         cpu = _runtime.jax_device("cpu", 0)
-                    append(to_array(to_capsule(tensor), cpu, None, _runtime.DL_CPU))
+                    append(to_array(to_capsule(alias), cpu, None, _runtime.DL_CPU))
                 else:
                     cuda_index = tensor.get_device()
                     device, stream = cuda_ready.get(cuda_index) or _cuda_ready(
                         cuda_index, cuda_ready
                     )
-                    append(to_array(to_capsule(tensor), device, stream, _runtime.DL_CUDA))
+                    append(to_array(to_capsule(alias), device, stream, _runtime.DL_CUDA))
                 continue
         except _NOT_AS_IS:
             pass
@@ -325,8 +325,6 @@ def _import_one(
         copied = True
     if copied:
         tensor = _fresh_copy(tensor, target)
-    elif tensor.requires_grad:
-        tensor = tensor.detach()
     return _wrap(tensor, device_type, copied, cuda_ready, cpu)
 
 
@@ -376,7 +374,7 @@ def _wrap(
             ready = _cuda_ready(cuda_index, cuda_ready)
         (device, stream), dl_device_type = ready, _runtime.DL_CUDA
     return _runtime.capsule_to_array(
-        _runtime.tensor_to_capsule(tensor), device, stream, dl_device_type
+        _runtime.tensor_to_capsule(_owed.handle(tensor)), device, stream, dl_device_type
     )
 
 
