@@ -44,6 +44,9 @@ NOT_CACHES = {
     "from, compared by identity",
     "bridge_mr.torch_fn._environment._ENVIRONMENT": "the torchax environment, built once",
     "bridge_mr.torch_fn._recurrent._GATES": "a constant table",
+    "bridge_mr.torch_fn._aliases._INSTALLED": "the view-write wrapper installed on the one "
+    "torchax environment (built once, like it)",
+    "bridge_mr.torch_api._keys._PRECISIONS": "a constant table",
     "bridge_mr.torch_api._function._ALL": "the live torch functions, whose entries each clear "
     "(registered through register_clear as 'torch function traces')",
     "bridge_mr.torch_api._custom_op._functions": "uid -> compilable torch function, weakly: "
