@@ -3,7 +3,8 @@
 `to_jax` / `to_torch` convert pytrees; `import_tensors` / `export_arrays` are their flat-list
 forms for the torch frontend's hot path, and `jit_arguments` a faster `import_tensors` for the
 arguments of a jitted call; `tensor_avals` says what shapes and dtypes tensors cross as;
-`count_conversions` reports conversions and copies.
+`count_conversions` reports conversions and copies; `host_program_device` says where programs of
+CPU tensors run (JAX's default device: an accelerator where there is one).
 
 Zero copy whenever the layout allows it: a compact (contiguous or permuted-dense), 64-byte
 aligned tensor of a dtype both sides share, on the same device. Otherwise exactly one copy,
@@ -29,6 +30,8 @@ from ._export import to_torch as to_torch
 from ._import import import_tensors as import_tensors
 from ._import import jit_arguments as jit_arguments
 from ._import import to_jax as to_jax
+from ._runtime import host_device as host_device
+from ._runtime import host_program_device as host_program_device
 from ._stats import ConversionStats as ConversionStats
 from ._stats import count_conversions as count_conversions
 
@@ -36,6 +39,8 @@ __all__ = [
     "ConversionStats",
     "count_conversions",
     "export_arrays",
+    "host_device",
+    "host_program_device",
     "import_tensors",
     "jit_arguments",
     "tensor_avals",

@@ -147,3 +147,49 @@ def make_jax_stream_wait(index: int, jax_stream: int | None) -> None:
     event = torch.cuda.Event()
     event.record(current)
     torch.cuda.ExternalStream(jax_stream, device=index).wait_event(event)
+
+
+def host_program_device() -> Any:
+    """The JAX device that programs of host (CPU) tensors run on, or None for the CPU.
+
+    JAX's default device decides: the device `jax.default_device` sets (a device, or a
+    platform's first device), else the first device of JAX's default backend. Where that is an
+    accelerator (a TPU, a GPU), host tensors go to it once per call and outputs come back; where
+    it is a CPU device, None: programs run on the CPU, sharing the tensors' memory.
+
+    Returns:
+      A JAX device, or None.
+
+    Example:
+      >>> bridge_mr.dlpack.host_program_device() is None  # on a machine with no accelerator
+      True
+      >>> with jax.default_device(jax.devices("cpu")[0]):  # on any machine: the CPU
+      ...     bridge_mr.dlpack.host_program_device() is None
+      True
+    """
+    device = default_device()
+    if device is None:
+        if default_platform() == "cpu":
+            return None
+        device = "default"
+    if not isinstance(device, str):
+        return None if device.platform == "cpu" else device
+    cache = _current_cache()
+    key = ("program device", device)
+    if key not in cache:
+        found = jax.devices()[0] if device == "default" else jax.devices(device)[0]
+        cache[key] = None if found.platform == "cpu" else found
+    return cache[key]
+
+
+def host_device() -> Any:
+    """JAX's first CPU device, where outputs of programs run elsewhere come back to.
+
+    Returns:
+      A JAX CPU device.
+
+    Example:
+      >>> bridge_mr.dlpack.host_device().platform
+      'cpu'
+    """
+    return jax_device("cpu", 0)

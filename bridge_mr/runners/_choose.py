@@ -27,6 +27,7 @@ def runner_for(
     layout: distributed.Layout | None = None,
     in_per_rank: Sequence[bool] = (),
     out_per_rank: Sequence[bool] = (),
+    device: Any = None,
 ) -> Runner:
     """The runner of `program` for tensors of `device_type` ("cpu", "cuda" or "xla").
 
@@ -48,6 +49,8 @@ def runner_for(
         is then traced on global shapes (`in_avals`) and runs over every process's devices.
       in_per_rank: with `layout`, for each tensor input, whether it holds this rank's clients.
       out_per_rank: with `layout`, for each exported output, whether it is per-rank.
+      device: for CPU tensors, the JAX device the program runs on when that is not the CPU
+        (`bridge_mr.dlpack.host_program_device()`): inputs go there, outputs come back.
 
     Returns:
       A callable `(tensors, carried) -> (exported tensors, carried values)`.
@@ -76,7 +79,7 @@ def runner_for(
         )
     if device_type == "xla":
         return _xla.XlaRunner(jitted, [*in_avals, *carried_avals], n_exported, names)
-    return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh, compiler_options, names)
+    return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh, compiler_options, names, device)
 
 
 def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import NARROW_TARGETS, Aval
-from bridge_mr.dlpack import export_arrays, jit_arguments
+from bridge_mr.dlpack import export_arrays, host_device, jit_arguments
 
 from . import _disk
 from ._protocols import Jitted
@@ -70,6 +70,9 @@ class DlpackRunner:
         jax.jit takes them at the top level only).
       names: what `jit_arguments`' errors call each tensor input (a packed buffer: its tensors'
         names joined by " + "; see `runner_for`); default `tensors[i]`.
+      device: the JAX device the program runs on, for CPU tensors whose programs run on an
+        accelerator (`bridge_mr.dlpack.host_program_device()`): the inputs go there once per
+        call and the exported outputs come back to the CPU. None: where the tensors are.
     """
 
     def __init__(
@@ -80,8 +83,11 @@ class DlpackRunner:
         mesh: Mesh | None,
         compiler_options: Mapping[str, str] | None = None,
         names: Sequence[str] | None = None,
+        device: Any = None,
     ) -> None:
         self._jitted = jitted
+        self._device = None if mesh is not None else device
+        self._host = None if self._device is None else host_device()
         self._in_avals = list(in_avals)
         self._groups, self._singles = _pack_groups(in_avals)
         if names is None:
@@ -113,7 +119,9 @@ class DlpackRunner:
         self._poll = True
         # Decided after the first call that ran with outputs to wait for (`_staging`).
         self._staging: Staging | None = None
-        self._staging_decided = not self._groups or self._replicated is not None
+        self._staging_decided = (
+            not self._groups or self._replicated is not None or self._device is not None
+        )
 
     def _unpacking(self, *flat: jax.Array) -> list[jax.Array]:
         n_in = len(self._groups) + len(self._singles)
@@ -150,8 +158,11 @@ class DlpackRunner:
             device = jax_compat.single_devices(outputs[:1])[0]
             self._staging = staging_for(self._groups, self._in_avals, tensors, device)
         n = self._n_exported
+        exported = outputs[:n]
+        if self._host is not None:  # Ran on an accelerator: back to the tensors' CPU.
+            exported = jax.device_put(exported, self._host)
         # Fresh outputs that only this runner holds, and drops.
-        return export_arrays(outputs[:n], sole_owner=True), outputs[n:]
+        return export_arrays(exported, sole_owner=True), outputs[n:]
 
     def _execute(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any], staged: Staging | None
@@ -175,6 +186,8 @@ class DlpackRunner:
             arrays = staged.arrays
         if self._replicated is not None:
             arrays = jax.device_put(arrays, self._replicated)
+        elif self._device is not None:
+            arrays = jax.device_put(arrays, self._device)
         if self._compiled_at != self._clears.count:
             self._compiled_at = self._clears.count
             self._folder = _disk.directory()
@@ -187,7 +200,8 @@ class DlpackRunner:
             layouts: tuple[Any, ...] = ()
             for index, array in enumerate(arrays):
                 if type(array) is not np.ndarray and array.ndim > 1:
-                    order = array.format.layout.major_to_minor
+                    # jaxlib's arrays have `format`; jax's stub of `jax.Array` does not declare it.
+                    order = cast(Any, array).format.layout.major_to_minor
                     if order != tuple(range(len(order))):
                         layouts = (*layouts, (index, order))
             run = self._programs.get(layouts)
