@@ -20,6 +20,7 @@ from ._decisions import directory as directory
 from ._decisions import forget_all as forget_all
 from ._device import DeviceDescription as DeviceDescription
 from ._device import describe as describe_device
+from ._device import describe_program_device as describe_program_device
 from ._kind import RoundKind as RoundKind
 from ._kind import same as same
 from ._report import Candidate as Candidate
@@ -33,6 +34,7 @@ __all__ = [
     "DeviceDescription",
     "cost",
     "describe_device",
+    "describe_program_device",
     "directory",
     "forget_all",
     "forget_choices",

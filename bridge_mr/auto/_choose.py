@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import torch
 
-from bridge_mr import _caches
+from bridge_mr import _caches, dlpack
 from bridge_mr._compat import torch as torch_compat
 
 from . import _decisions, _device, _pick, _reading, _report, settings
@@ -142,7 +142,11 @@ def _decide(
         client = kind.trace_client(fn, *_reading.one_client(specs), placement, rows)
     except Exception:  # The call raises again, with the bridge's message.
         return None
-    device = _device.describe(tensors[0].device)
+    on = None if mesh is not None or kind.across_processes else dlpack.host_program_device()
+    if on is not None and tensors[0].device.type == "cpu":
+        device = _device.describe_program_device(on)
+    else:
+        device = _device.describe(tensors[0].device)
     disk = None
     if not kind.across_processes:
         found = _decisions.fingerprint(client.jaxpr, args, specs, tensors, budget, device)

@@ -1,6 +1,7 @@
 """The device a round runs on, as `auto`'s rules read it: an input of the cost model.
 
-`describe(tensor.device)` reads it once per decision (torch's device properties); a test gives
+`describe(tensor.device)` reads it once per decision (torch's device properties), or
+`describe_program_device` the JAX accelerator a round of CPU tensors runs on; a test gives
 `auto` another description (an H200's, on a CPU machine) to check the rules a GPU would get.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import torch
 
@@ -17,7 +19,7 @@ class DeviceDescription:
     """What `auto` knows of a device.
 
     Attributes:
-      platform: "cpu", or "gpu" for an accelerator (CUDA).
+      platform: "cpu", or the accelerator's: "gpu" (CUDA), "tpu".
       name: the device's name ("cpu", "NVIDIA H200", ...), part of a decision's name on disk.
       memory_bytes: its memory (the host's physical memory for "cpu").
 
@@ -56,3 +58,23 @@ def describe(device: torch.device) -> DeviceDescription:
         return DeviceDescription("gpu", properties.name, int(properties.total_memory))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return DeviceDescription("cpu", "cpu", int(memory))
+
+
+def describe_program_device(device: Any) -> DeviceDescription:
+    """The description of the JAX accelerator a round of CPU tensors runs on.
+
+    That is `bridge_mr.dlpack.host_program_device()`: JAX's default device, a TPU say.
+
+    Args:
+      device: a JAX device.
+
+    Returns:
+      Its `DeviceDescription`: platform, kind, and memory as JAX reports it (0 where unknown).
+
+    Example:
+      >>> found = bridge_mr.auto.describe_program_device(jax.devices()[0])
+      >>> found.platform == jax.devices()[0].platform
+      True
+    """
+    stats = device.memory_stats() or {}
+    return DeviceDescription(device.platform, device.device_kind, int(stats.get("bytes_limit", 0)))

@@ -21,7 +21,7 @@ import torch
 from bridge_mr import _caches
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval
-from bridge_mr.dlpack import tensor_avals
+from bridge_mr.dlpack import host_program_device, tensor_avals
 from bridge_mr.typing import PyTree
 
 from . import _custom_op, _keys, _signature
@@ -306,6 +306,8 @@ class TorchFunction:
         for i in diff:
             if tensors[i].dtype.is_complex:
                 raise _signature.complex_grad_error(name, where[i])
+        device_type = tensors[0].device.type if tensors else "cpu"
+        mesh = _signature.mesh_of(statics)
         return CallSpec(
             fn=self._jax_fn,
             name=name,
@@ -313,10 +315,11 @@ class TorchFunction:
             statics=statics,
             in_avals=in_avals,
             diff=diff,
-            device_type=tensors[0].device.type if tensors else "cpu",
-            mesh=_signature.mesh_of(statics),
+            device_type=device_type,
+            mesh=mesh,
             layout=layout,
             per_rank=per_rank,
+            program_device=_program_device(device_type, mesh, layout),
         )
 
     def _tensor_names(self, treedef: Any, statics: tuple[Any, ...]) -> list[str]:
@@ -353,6 +356,7 @@ class TorchFunction:
         """
         n = len(in_avals)
         statics = (TENSOR,) * n
+        mesh = _signature.mesh_of(statics)
         spec = CallSpec(
             fn=self._jax_fn,
             name=repr(self),
@@ -361,7 +365,8 @@ class TorchFunction:
             in_avals=in_avals,
             diff=diff,
             device_type=device_type,
-            mesh=_signature.mesh_of(statics),
+            mesh=mesh,
+            program_device=_program_device(device_type, mesh, None),
         )
         return trace(spec, self._counter)
 
@@ -475,3 +480,12 @@ def torch_function(jax_fn: JaxFunction, *, compilable: bool = False) -> TorchFun
       >>> loss(w, torch.randn(8, 3)).backward()  # w.grad holds the JAX gradient
     """
     return TorchFunction(jax_fn, compilable=compilable)
+
+
+def _program_device(device_type: str, mesh: Any, layout: Any) -> Any:
+    """Where a program of CPU tensors runs when that is an accelerator (JAX's default device:
+    `dlpack.host_program_device`); None where it runs where its tensors are, or over `mesh`'s
+    devices or every process's (`layout`)."""
+    if device_type != "cpu" or mesh is not None or layout is not None:
+        return None
+    return host_program_device()

@@ -1,8 +1,9 @@
 """Every key the torch frontend caches by, built here from one context.
 
 A call's `context()` is what, besides its arguments, decides the program it traces: the active
-placement, the ambient JAX mesh and JAX's trace context (x64, promotion, precision, ...). Three
-keys hold it:
+placement, the ambient JAX mesh, JAX's trace context (x64, promotion, precision, the default
+device, ...) and torch's float32 matmul precision, which governs programs on an accelerator.
+Three keys hold it:
 
 * `call_key`: the full compile key of a `TorchFunction` call (tree structure, each static
   value's key, each tensor's type, shape, dtype, device, layout and `requires_grad`, grad mode);
@@ -27,9 +28,33 @@ from bridge_mr._compat import jax as jax_compat
 from ._static import FUNCTION_TYPES, FunctionIdentity, function_key, static_key
 
 
-def context() -> tuple[Any, Any, Any]:
-    """The active placement, the ambient mesh and JAX's trace context, as a key's last part."""
-    return jax_core.current_placement(), jax_core.ambient_mesh(), jax_compat.trace_context()
+def context() -> tuple[Any, Any, Any, str]:
+    """The active placement, the ambient mesh, JAX's trace context (the default device, x64,
+    ...) and torch's float32 matmul precision (`matmul_precision`), as a key's last part."""
+    return (
+        jax_core.current_placement(),
+        jax_core.ambient_mesh(),
+        jax_compat.trace_context(),
+        torch.get_float32_matmul_precision(),
+    )
+
+
+#: torch's float32 matmul precision -> JAX's: "highest" float32 products, "high" three
+#: bfloat16 passes on a TPU (TF32 on a GPU), "medium" one bfloat16 pass (TF32 on a GPU).
+_PRECISIONS = {"highest": "highest", "high": "high", "medium": "default"}
+
+
+def matmul_precision() -> str:
+    """JAX's matmul precision for torch's float32 matmul precision in effect here.
+
+    Returns:
+      "highest", "high" or "default" (`jax.default_matmul_precision`'s names).
+
+    Example:
+      >>> torch.get_float32_matmul_precision(), matmul_precision()
+      ('highest', 'highest')
+    """
+    return _PRECISIONS[torch.get_float32_matmul_precision()]
 
 
 def call_key(

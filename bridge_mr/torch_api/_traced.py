@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from bridge_mr import distributed, jax_core, runners
 from bridge_mr._dtypes import Aval, is_differentiable, torch_dtype
 from bridge_mr.typing import PyTree
 
+from ._keys import matmul_precision
 from ._signature import TENSOR
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -60,7 +61,9 @@ class CallSpec:
     `statics` are the call's flattened leaves with `TENSOR` where a tensor sat; `diff` the
     indices (among the tensors) of those that need gradients. Across processes, `layout` is
     the agreed layout of the ranks' clients, `in_avals` are global shapes, and `per_rank` says
-    which tensors hold this rank's clients (one flag per tensor).
+    which tensors hold this rank's clients (one flag per tensor). `program_device` is the JAX
+    device the program of CPU tensors runs on where that is an accelerator
+    (`dlpack.host_program_device()`), else None (where the tensors are).
     """
 
     fn: Callable[..., PyTree]
@@ -73,6 +76,7 @@ class CallSpec:
     mesh: Mesh | None
     layout: distributed.Layout | None = None
     per_rank: tuple[bool, ...] = ()
+    program_device: Any = None
 
     @functools.cached_property
     def tensor_positions(self) -> tuple[int, ...]:
@@ -217,6 +221,7 @@ def forward_runner(
         layout=spec.layout,
         in_per_rank=spec.per_rank,
         out_per_rank=out_per_rank,
+        device=spec.program_device,
     )
 
 
@@ -247,6 +252,7 @@ def residual_runner(call: TracedCall, *, residuals_as_tensors: bool = False) -> 
         layout=layout,
         in_per_rank=(False,) * len(tensor_avals) if layout else (),
         out_per_rank=tuple(spec.per_rank[i] for i in spec.diff) if layout else (),
+        device=spec.program_device,
     )
 
 
@@ -282,11 +288,26 @@ def cotangents(outputs: Outputs, float_cotangents: Sequence[Any]) -> list[Any]:
 
 
 def _on_device(spec: CallSpec, program: F) -> F:
-    """`program` as compiled for `spec`'s device: on CPU, every convolution in the layout XLA
-    runs fast, those of the gradients and those in loop bodies too, and large float sums as
-    accurate as torch's where the program compiles without YNNPACK's reduce fusion
-    (`jax_core.cpu_program`; its options: `jax_core.cpu_compiler_options`)."""
-    return jax_core.cpu_program(program) if spec.device_type == "cpu" else program
+    """`program` as compiled for `spec`'s device.
+
+    On CPU, every convolution in the layout XLA runs fast, those of the gradients and those in
+    loop bodies too, and large float sums as accurate as torch's where the program compiles
+    without YNNPACK's reduce fusion (`jax_core.cpu_program`; its options:
+    `jax_core.cpu_compiler_options`). On an accelerator (CUDA tensors, or CPU tensors whose
+    program runs on one), float32 matrix products and convolutions at the precision torch's
+    `torch.get_float32_matmul_precision()` sets (`matmul_precision`). torch-xla: as traced.
+    """
+    if spec.device_type == "cpu" and spec.program_device is None:
+        return jax_core.cpu_program(program)
+    if spec.device_type == "xla":
+        return program
+    precision = matmul_precision()
+
+    def at_torch_precision(*args: Any) -> Any:
+        with jax.default_matmul_precision(precision):
+            return program(*args)
+
+    return cast(F, at_torch_precision)
 
 
 def _shape_structs(avals: Sequence[Aval]) -> list[jax.ShapeDtypeStruct]:
