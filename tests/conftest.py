@@ -12,6 +12,10 @@ runs them in their own leg, in each environment:
 An `x64`-marked test collected with x64 off is skipped, its reason naming BRIDGE_MR_X64=1. A
 test that leaves the process-wide x64 or promotion setting changed fails.
 
+On a TPU host every leg runs on JAX's CPU devices, except the TPU leg that scripts/tpu_check.sh
+runs: `BRIDGE_MR_TPU=1 pytest -m tpu`, where JAX holds the chip. A `tpu`-marked test is skipped
+elsewhere, its reason naming that command.
+
 XLA_FLAGS (8 simulated CPU devices, nothing else: bridge_mr chooses XLA's CPU options per
 program) must be set before JAX creates its CPU backend, so this runs at import time of the
 conftest, which pytest loads before any test module; so does pointing bridge_mr's cache directory
@@ -49,7 +53,27 @@ def _decisions_in_a_temporary_directory() -> None:
     os.environ["BRIDGE_MR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bridge_mr_test_cache_")
 
 
+def _tpu_leg_requested() -> bool:
+    value = os.environ.get("BRIDGE_MR_TPU", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"BRIDGE_MR_TPU must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _chip_for_the_tpu_leg_only() -> None:
+    """On a TPU host (libtpu installed), every leg but the TPU leg runs on JAX's CPU devices:
+    their meshes of 8 devices are the host's simulated CPU devices, as on any other machine,
+    and child processes (which inherit JAX_PLATFORMS) keep off the chip, which one process at a
+    time can hold. A JAX_PLATFORMS the caller set wins."""
+    if _TPU or "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_TPU = _tpu_leg_requested()
+_TPU_COMMAND = "BRIDGE_MR_TPU=1 pytest -m tpu (scripts/tpu_check.sh on a TPU host)"
 _configure_xla_flags()
+_chip_for_the_tpu_leg_only()
 _decisions_in_a_temporary_directory()
 _X64 = _x64_requested()
 _X64_COMMAND = "BRIDGE_MR_X64=1 pytest -m x64"
@@ -95,6 +119,10 @@ _MISSING = {
         lambda: not _has_cuda(),
         "needs a CUDA GPU visible to torch and a JAX GPU backend (jax[cuda])",
     ),
+    "tpu": (
+        lambda: not (_TPU and jax.devices()[0].platform == "tpu"),
+        f"needs a TPU that JAX holds: run {_TPU_COMMAND}",
+    ),
 }
 
 
@@ -103,7 +131,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Skips tests marked for an environment this run lacks, saying how to get it.
 
     The one axis for environments is markers (pyproject.toml lists them): `xla` (torch_xla,
-    installed in .venv-xla), `x64` (BRIDGE_MR_X64=1), `cuda` (a GPU for torch and JAX).
+    installed in .venv-xla), `x64` (BRIDGE_MR_X64=1), `cuda` (a GPU for torch and JAX), `tpu`
+    (a TPU, in the leg BRIDGE_MR_TPU=1 runs).
     """
     del config  # Unused.
     for marker, (missing, reason) in _MISSING.items():

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything bridge_mr checks on a TPU host (one v5e chip), in one run from the repository root
+# that ends inside 9 minutes: the TPU leg of the tests (BRIDGE_MR_TPU=1 pytest -m tpu, JAX holding
+# the chip), then the TPU benchmark rows (scripts/tpu_bench.sh, when BRIDGE_MR_TPU_BENCH=1).
+# No network there: torch 2.13.0 (a CPU build) comes from the machine's own wheels
+# (/opt/wheels), optax and transformers from its package index (/opt/pypi/simple), torchax
+# from ./.whl-tpu (carried: `pip download torchax==0.0.14.dev20261026 -d .whl-tpu`); all under
+# $BRIDGE_MR_TPU_SITE (default /tmp/site), last on PYTHONPATH so the machine's JAX stays first.
+# bridge_mr itself runs from the checkout (PYTHONPATH). Logs go to "$OUT" (else ./tpu_logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/tpu_logs}
+SITE=${BRIDGE_MR_TPU_SITE:-/tmp/site}
+mkdir -p "$OUT"
+started=$(date +%s)
+if [ ! -d "$SITE/torch" ]; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
+    --index-url file:///opt/pypi/simple --find-links /opt/wheels --no-compile --target "$SITE" \
+    torch==2.13.0 optax transformers 2>&1 | tail -3
+  if compgen -G ".whl-tpu/*.whl" >/dev/null; then
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+      --no-compile --no-cache-dir --upgrade --target "$SITE" .whl-tpu/*.whl 2>&1 | tail -3
+  fi
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE
+echo "tpu_check: set-up took $(($(date +%s) - started)) s"
+python3 -c 'import jax, torch; print("jax", jax.__version__, jax.devices(), "torch", torch.__version__)'
+
+# The TPU leg: every test marked `tpu` (tests/tpu), JAX holding the chip in this one process.
+BRIDGE_MR_TPU=1 timeout -k 10 300 python3 -m pytest -m tpu tests/tpu -q -p no:cacheprovider -rs \
+  2>&1 | tee "$OUT/pytest_tpu.txt"
+tests_status=${PIPESTATUS[0]}
+echo "tpu_check: tests exit $tests_status after $(($(date +%s) - started)) s"
+
+bench_status=0
+if [ "${BRIDGE_MR_TPU_BENCH:-0}" = 1 ]; then
+  bash scripts/tpu_bench.sh
+  bench_status=$?
+fi
+echo "tpu_check: tests $tests_status, benchmarks $bench_status, $(($(date +%s) - started)) s in all"
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]

@@ -1,0 +1,205 @@
+"""On a TPU: host torch tensors run on the chip, at the precision torch's setting asks for.
+
+Runs in the TPU leg only (`BRIDGE_MR_TPU=1 pytest -m tpu`, scripts/tpu_check.sh), where JAX holds
+the chip; skipped elsewhere. Every check compares values and gradients with a float64 torch loop
+on the host, within the precision in force: at torch's default "highest" float32 products are
+exact float32; at "medium" they are one bfloat16 pass, whose error a CPU never shows (that is
+how these tests see that the chip ran the program).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import zoo
+from helpers.precision import leaf_errors, torch_value_and_grads
+
+import bridge_mr
+
+pytestmark = pytest.mark.tpu
+
+_STRATEGIES = [("vmap", None), ("per_client", None), ("chunks", 4), ("auto", None)]
+
+
+@pytest.fixture(autouse=True)
+def _torch_precision_restored() -> Iterator[None]:
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+# The activation is rational, not tanh: the chip's transcendental functions are accurate to
+# about 1e-5 relative (tanh moved these gradients by 2e-5 at "highest"), which would hide the
+# products' precision that these tests check.
+def _matmul_client(server: dict[str, Any], batch: dict[str, Any]) -> Any:
+    h = batch["x"] @ server["w1"]
+    h = h / (1 + h * h)
+    return jnp.mean((h @ server["w2"] - batch["y"]) ** 2)
+
+
+def _torch_matmul_loss(server: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> Any:
+    losses = []
+    for x, y in zip(batch["x"], batch["y"], strict=True):
+        h = x @ server["w1"]
+        h = h / (1 + h * h)
+        losses.append(torch.mean((h @ server["w2"] - y) ** 2))
+    return torch.stack(losses).mean()
+
+
+def _matmul_case() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    server = {
+        "w1": torch.randn(256, 256, generator=g) / 16,
+        "w2": torch.randn(256, 8, generator=g) / 16,
+    }
+    batch = {"x": torch.randn(12, 32, 256, generator=g), "y": torch.randn(12, 32, 8, generator=g)}
+    return server, batch
+
+
+def _bridge_value_and_grads(
+    server: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], **options: Any
+) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
+    leaves = {k: v.clone().requires_grad_() for k, v in {**server, **batch}.items()}
+    loss = bridge_mr.map_reduce(
+        _matmul_client,
+        {k: leaves[k] for k in server},
+        {k: leaves[k] for k in batch},
+        **options,
+    )
+    loss.backward()
+    grads = {k: v.grad for k, v in leaves.items()}
+    assert all(g is not None and g.device.type == "cpu" for g in grads.values())
+    return loss.item(), grads, loss  # type: ignore[return-value]
+
+
+def test_the_chip_is_where_host_tensors_run() -> None:
+    device = bridge_mr.dlpack.host_program_device()
+    assert device is not None
+    assert device.platform == "tpu"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert bridge_mr.dlpack.host_program_device() is None
+
+
+@pytest.mark.parametrize(("strategy", "chunk_size"), _STRATEGIES)
+def test_host_tensors_on_the_chip_equal_torch_at_highest(strategy: str, chunk_size: Any) -> None:
+    server, batch = _matmul_case()
+    want_value, want = torch_value_and_grads(_torch_matmul_loss, server, batch)
+    value, grads, loss = _bridge_value_and_grads(
+        server, batch, strategy=strategy, chunk_size=chunk_size
+    )
+    assert loss.device.type == "cpu"
+    assert loss.dtype == torch.float32
+    assert abs(value - want_value) <= 1e-5 * abs(want_value)
+    errors = leaf_errors(grads, want)
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_torch_precision_setting_governs_and_takes_effect_between_calls() -> None:
+    server, batch = _matmul_case()
+    _, want = torch_value_and_grads(_torch_matmul_loss, server, batch)
+    worst = {}
+    for precision in ("highest", "medium", "high", "highest"):
+        torch.set_float32_matmul_precision(precision)
+        _, grads, _ = _bridge_value_and_grads(server, batch, strategy="vmap")
+        worst[precision] = max(leaf_errors(grads, want).values())
+        if precision == "highest":
+            assert worst[precision] <= 1e-5, worst
+    # One bfloat16 pass: bfloat16's 8 bits of mantissa, not float32's; three passes between.
+    assert 1e-4 < worst["medium"] < 3e-2, worst
+    assert worst["high"] < worst["medium"] / 10, worst
+
+
+def test_the_cpu_stays_available_with_jax_default_device() -> None:
+    server, batch = _matmul_case()
+    _, want = torch_value_and_grads(_torch_matmul_loss, server, batch)
+    torch.set_float32_matmul_precision("medium")  # Irrelevant on the CPU: exact float32.
+    with jax.default_device(jax.devices("cpu")[0]):
+        _, grads, _ = _bridge_value_and_grads(server, batch, strategy="vmap")
+    assert max(leaf_errors(grads, want).values()) <= 1e-5
+
+
+def test_from_torch_cnn_with_batchnorm_on_the_chip() -> None:
+    model = zoo.tiny("cnn_batchnorm")
+    data = zoo.tiny_data("cnn_batchnorm", 6, 8)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    torch_loss = zoo.tiny_loss(model)
+
+    def client(state: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> Any:
+        return torch_loss(state, batch["x"], batch["y"])
+
+    def loop(p: dict[str, torch.Tensor], d: dict[str, torch.Tensor]) -> torch.Tensor:
+        losses = [
+            torch_loss({**p, **{k: v.double() for k, v in buffers.items()}}, x, y)
+            for x, y in zip(d["x"], d["y"], strict=True)
+        ]
+        return torch.stack(losses).mean()
+
+    want_value, want = torch_value_and_grads(loop, params, data)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    converted = bridge_mr.from_torch(client, mutable=0)
+    loss, new_state = bridge_mr.map_reduce(converted, {**leaves, **buffers}, data)
+    loss.backward()
+    assert abs(loss.item() - want_value) <= 1e-4 * abs(want_value)
+    errors = leaf_errors({k: v.grad for k, v in leaves.items()}, {k: want[k] for k in params})
+    assert max(errors.values()) <= 1e-4, errors
+    # The running statistics come back, averaged over the clients, on the host.
+    assert new_state["bn.running_mean"].device.type == "cpu"
+    assert not torch.equal(new_state["bn.running_mean"], buffers["bn.running_mean"])
+
+
+def test_from_torch_gpt2_on_the_chip() -> None:
+    pytest.importorskip("transformers")
+    entry = zoo.ZOO["gpt2"]
+    model = zoo.build("gpt2")
+    params, buffers = zoo.split_state(model)
+    g = torch.Generator().manual_seed(3)
+    batches = [entry.batch(g, 2) for _ in range(4)]
+    data = {k: torch.stack([b[k] for b in batches]) for k in batches[0]}
+    loss_fn = zoo.client_loss(entry, model)
+    converted = bridge_mr.from_torch(loss_fn)
+
+    def fedsgd(server: dict[str, Any], batch: dict[str, Any]) -> Any:
+        return converted(server["params"], server["buffers"], batch)
+
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    loss = bridge_mr.map_reduce(fedsgd, {"params": leaves, "buffers": buffers}, data)
+    loss.backward()
+    # The reference: a float32 torch loop on the host (GPT-2's float64 differs more from
+    # float32 than the chip's float32 does).
+    torch_leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    per_client = [loss_fn(torch_leaves, buffers, {k: data[k][i] for k in data}) for i in range(4)]
+    want_value = torch.stack(per_client).mean()
+    want_value.backward()
+    assert abs(loss.item() - want_value.item()) <= 1e-4 * abs(want_value.item())
+    errors = leaf_errors(
+        {k: v.grad for k, v in leaves.items()}, {k: v.grad for k, v in torch_leaves.items()}
+    )
+    assert max(errors.values()) <= 1e-3, errors
+
+
+def test_a_fedavg_round_on_the_chip_equals_the_cpu() -> None:
+    """`algorithms.local_training` (4 local SGD steps per client) on the chip and on the CPU."""
+    optax = pytest.importorskip("optax")
+    server, batch = _matmul_case()
+    steps = {k: v.reshape(12, 4, 8, *v.shape[2:]) for k, v in batch.items()}
+
+    def local(params: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        h = b["x"] @ params["w1"]
+        return F.mse_loss((h / (1 + h * h)) @ params["w2"], b["y"])
+
+    train = bridge_mr.algorithms.local_training(
+        bridge_mr.from_torch(local), optax.sgd(0.1), steps=4
+    )
+    on_chip, _ = bridge_mr.algorithms.mean_delta(train, server, steps)
+    with jax.default_device(jax.devices("cpu")[0]):
+        on_cpu, _ = bridge_mr.algorithms.mean_delta(train, server, steps)
+    assert all(v.device.type == "cpu" for v in on_chip.values())
+    errors = leaf_errors(on_chip, on_cpu)
+    assert max(errors.values()) <= 1e-5, errors
