@@ -3,6 +3,7 @@
     python -m benchmarks [--quick] [--cases NAME ...] [--out DIR] (see --help for filters)
     python -m benchmarks --cases accelerator --device cuda   (issue 31's rows on a GPU)
     python -m benchmarks --cases overhead --device cuda      (the cost of one call on a GPU)
+    python -m benchmarks --cases accelerator --device tpu --precision highest medium  (issue 41)
 
 Prints a table per case and the targets, and writes results.json, results.md and PNG plots to
 --out (default benchmarks/results, or benchmarks/results/quick with --quick). Run from the
@@ -18,6 +19,7 @@ import datetime
 import logging
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -87,10 +89,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--device",
-        choices=["cpu", "cuda"],
+        choices=["cpu", "cuda", "tpu"],
         default="cpu",
         help="accelerator and overhead cases: where the tensors live (cuda: torch's and JAX's "
-        "CUDA devices)",
+        "CUDA devices; tpu, accelerator case only: host tensors, JAX's programs on the chip)",
+    )
+    parser.add_argument(
+        "--precision",
+        nargs="+",
+        choices=["highest", "high", "medium"],
+        default=["highest"],
+        help="accelerator case: torch.set_float32_matmul_precision for each row (pure JAX: the "
+        "same JAX precision)",
     )
     parser.add_argument(
         "--memory",
@@ -186,6 +196,23 @@ def _cuda_missing() -> str | None:
     return None
 
 
+def _tpu_missing() -> str | None:
+    """Why `--device tpu` cannot run here (JAX's default backend is not a TPU), or None. Asked
+    in a short process: this one must leave the chip to the workers."""
+    probe = "import jax; print(jax.devices()[0].platform)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False
+    )
+    platform = done.stdout.strip()
+    if platform == "tpu":
+        return None
+    return (
+        f"JAX's default backend is {platform or 'unavailable'!r}, not a TPU "
+        f"({done.stderr.strip().splitlines()[-1:] or 'no error'}). Fix: run on a TPU host with "
+        "jax[tpu] installed and JAX_PLATFORMS unset."
+    )
+
+
 def main(argv: list[str]) -> int:
     """Runs the selected cases and writes the results; returns the exit status."""
     args = _parse(argv)
@@ -194,6 +221,22 @@ def main(argv: list[str]) -> int:
         if missing:
             print(f"python -m benchmarks --device cuda: {missing}", file=sys.stderr)
             return 2
+    if args.device == "tpu":
+        if set(args.cases) != {"accelerator"}:
+            print(
+                "python -m benchmarks --device tpu: runs the accelerator case only "
+                "(--cases accelerator)",
+                file=sys.stderr,
+            )
+            return 2
+        missing = _tpu_missing()
+        if missing:
+            print(f"python -m benchmarks --device tpu: {missing}", file=sys.stderr)
+            return 2
+        import jax
+
+        # This process describes the machine with JAX's CPU backend; the chip is the workers'.
+        jax.config.update("jax_platforms", "cpu")
     logging.getLogger("absl").setLevel(logging.ERROR)  # drjax logs per trace without a mesh.
     if args.sync_dispatch:
         import jax
@@ -221,6 +264,7 @@ def main(argv: list[str]) -> int:
         xla=not args.no_xla,
         device=args.device,
         rounds=args.reps,
+        precisions=tuple(dict.fromkeys(args.precision)),
     )
     out_dir = args.out or os.path.join(
         harness.PACKAGE_ROOT, "benchmarks", "results", *(["quick"] if args.quick else [])

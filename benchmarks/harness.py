@@ -377,8 +377,10 @@ class Context:
       xla: federated cases: add torch-xla rows where a torch-xla environment exists.
       round_alternatives: model-round cases ("cnn", "lm"): the alternatives asked for (None:
         all of `workloads.round_alternatives()`).
-      device: the "accelerator" and "overhead" cases: where the tensors live, "cpu" or "cuda".
+      device: the "accelerator" and "overhead" cases: where the tensors live, "cpu" or "cuda";
+        "tpu": host tensors, programs on the chip (the "accelerator" case).
       rounds: the "accelerator" case: later rounds per alternative (None: the case's own).
+      precisions: the "accelerator" case: torch's float32 matmul precisions to run each row at.
     """
 
     quick: bool
@@ -391,6 +393,7 @@ class Context:
     round_alternatives: tuple[str, ...] | None = None
     device: str = "cpu"
     rounds: int | None = None
+    precisions: tuple[str, ...] = ("highest",)
 
     def wants_memory(self, auto: bool) -> bool:
         """Whether to measure peak RSS for a row the case would (`auto`) or would not pick."""

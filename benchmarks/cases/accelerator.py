@@ -1,14 +1,19 @@
-"""Case "accelerator" (issue 31): the documented FedAvg round and the tiny call on the device
-the user's tensors live on (`--device cpu` or `--device cuda`), against a torch loop,
-torch.func.vmap, every bridge_mr strategy and the pure-JAX floor (`workloads.accelerator`).
+"""Case "accelerator" (issues 31, 41): the documented FedAvg round and the tiny call on the
+device the user's tensors live on (`--device cpu` or `--device cuda`), or with host tensors on a
+TPU host (`--device tpu`: the programs on the chip), against a torch loop, torch.func.vmap, every
+bridge_mr strategy and the pure-JAX floor (`workloads.accelerator`), at each of torch's float32
+matmul precisions asked for (`--precision highest medium`).
 
     python -m benchmarks --cases accelerator --device cuda   # the issue's rows
+    python -m benchmarks --cases accelerator --device tpu --precision highest medium
     python -m benchmarks --cases accelerator --quick         # small rows, on the CPU
 
 Every alternative runs in a fresh process of its own (`benchmarks.workers.users`, the
 "users_path" case's worker and process handling), started one at a time: its first round there
 (trace and compile included, imports excluded) is reported apart ("first round" rows), then the
-later rounds are requested interleaved (A B C, B C A, ...) and their median reported. On CUDA
+later rounds are requested interleaved (A B C, B C A, ...) and their median reported; on a TPU
+host one alternative at a time, each closed before the next starts (one process at a time can
+hold the chip), the torch alternatives with `JAX_PLATFORMS=cpu`. On CUDA
 the tensors are created on the GPU in each worker and the workers get `JAX_PLATFORMS=cpu,cuda`
 and `XLA_PYTHON_CLIENT_PREALLOCATE=false` (unless set). Per alternative: the process's peak RSS,
 and on CUDA its peak device memory (torch's allocator and JAX's, `workers.users`). Per row one
@@ -63,11 +68,16 @@ UNIT = (
 )
 
 
-def _env(device: str) -> dict[str, str]:
+def _env(device: str, alternative: str | None = None) -> dict[str, str]:
+    """A worker's environment: on CUDA `CUDA_ENV`'s defaults; on a TPU host the chip is left to
+    the alternatives that run JAX on it (bridge_mr, pure JAX, the counting process), the torch
+    loop and torch.func.vmap get `JAX_PLATFORMS=cpu`."""
     env = dict(os.environ)
     if device == "cuda":
         for key, value in CUDA_ENV.items():
             env.setdefault(key, value)
+    if device == "tpu" and alternative is not None and alternative.startswith("torch"):
+        env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
@@ -81,7 +91,7 @@ def _start(
         "config": dataclasses.asdict(cfg),
         "save": save,
     }
-    return users_path.start_worker(name, spec, timeout_s, env=_env(cfg.device))
+    return users_path.start_worker(name, spec, timeout_s, env=_env(cfg.device, name))
 
 
 def count(cfg: AcceleratorConfig, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -123,6 +133,7 @@ def measure(
         timeout_s,
         request=f"round {TINY_CALLS}" if cfg.model == "tiny" else "round",
         reference="torch_loop",
+        one_at_a_time=cfg.device == "tpu",  # One process at a time can hold the chip.
     )
     entries, samples, closed, difference = runs.entries, runs.samples, runs.closed, runs.difference
     baseline = "pure_jax" if "pure_jax" in alternatives else alternatives[0]
@@ -189,7 +200,11 @@ def _configs(ctx: harness.Context) -> list[AcceleratorConfig]:
     chosen = [s for s in sizes if s[0] in models]
     if ctx.clients:
         chosen = list(dict.fromkeys((m, c, st, b) for m, _, st, b in chosen for c in ctx.clients))
-    return [AcceleratorConfig(m, c, st, b, device=ctx.device) for m, c, st, b in chosen]
+    return [
+        AcceleratorConfig(m, c, st, b, device=ctx.device, precision=precision)
+        for precision in ctx.precisions
+        for m, c, st, b in chosen
+    ]
 
 
 def _note(row: dict[str, Any]) -> str:

@@ -230,26 +230,43 @@ def run_workers(
     *,
     request: str = "round",
     reference: str = BASELINE,
+    one_at_a_time: bool = False,
 ) -> Runs:
     """Starts each alternative's worker one at a time (`start(name, save_path)`), then asks
-    them for `rounds` of `request` interleaved, then closes them."""
+    them for `rounds` of `request` interleaved, then closes them.
+
+    With `one_at_a_time`, each worker serves its rounds and is closed before the next starts:
+    for a device only one process can hold (a TPU chip), where interleaving cannot be had.
+    """
     entries: dict[str, dict[str, Any]] = {}
     workers: list[_Worker] = []
+    samples: dict[str, list[float]] = {}
+    loads: dict[str, list[dict[str, Any]]] = {}
+    closed: dict[str, dict[str, Any]] = {}
+
+    def serve(group: list[_Worker]) -> None:
+        for name, answer, load_1min, other in _interleaved(group, rounds, timeout_s, request):
+            samples.setdefault(name, []).append(answer["seconds"])
+            loads.setdefault(name, []).append({"load_1min": load_1min, "other_cpus_busy": other})
+
     with tempfile.TemporaryDirectory() as tmp:
         saved = {name: os.path.join(tmp, f"{i}.npz") for i, name in enumerate(alternatives)}
         try:
             for name in alternatives:
                 worker, first = start(name, saved[name])
                 entries[name] = first
-                if worker is not None:
-                    workers.append(worker)
-            samples: dict[str, list[float]] = {w.name: [] for w in workers}
-            loads: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workers}
-            for name, answer, load_1min, other in _interleaved(workers, rounds, timeout_s, request):
-                samples[name].append(answer["seconds"])
-                loads[name].append({"load_1min": load_1min, "other_cpus_busy": other})
+                if worker is None:
+                    continue
+                workers.append(worker)
+                if one_at_a_time:
+                    try:
+                        serve([worker])
+                    finally:
+                        closed[worker.name] = workers.pop().close()
+            if workers:
+                serve(workers)
         finally:
-            closed = {w.name: w.close() for w in workers}
+            closed.update({w.name: w.close() for w in workers})
         kept = saved.get(reference)
         difference = {
             w.name: _difference(saved[w.name], kept)

@@ -19,7 +19,9 @@ answers on stdout with one JSON line per event:
 `auto` chose, for "bridge_mr"). On CUDA ("device": "cuda" in the config) the "done" event adds
 the device's peaks: `torch.cuda.max_memory_allocated()` ("torch_cuda_peak_mb") and, where JAX
 was imported, its CUDA device's `memory_stats()["peak_bytes_in_use"]` ("jax_cuda_peak_mb"):
-two allocators, so their sum ("device_peak_mb") bounds the device peak from above. With
+two allocators, so their sum ("device_peak_mb") bounds the device peak from above; on a TPU
+host ("device": "tpu"), the chip's `peak_bytes_in_use` where the process used it. The config's
+"precision" is set with `torch.set_float32_matmul_precision` before anything is built. With
 `"count": true` it builds nothing and answers one {"event": "count", "flops", "peak"} line
 (`accelerator.flops`, `accelerator.device_peak`).
 
@@ -61,7 +63,18 @@ def _numpy(value: Any) -> Any:
 
 
 def _device_peaks(device: str) -> dict[str, float]:
-    """On CUDA: torch's and JAX's peak device memory (MB) and their sum; else nothing."""
+    """On CUDA: torch's and JAX's peak device memory (MB) and their sum; on a TPU, JAX's
+    (where this process used the chip); else nothing."""
+    if device == "tpu":
+        if "jax" not in sys.modules:
+            return {}
+        import jax
+
+        chip = jax.devices()[0]
+        stats = (chip.memory_stats() or {}) if chip.platform == "tpu" else {}
+        if "peak_bytes_in_use" not in stats:
+            return {}
+        return {"device_peak_mb": stats["peak_bytes_in_use"] / 2**20}
     if device != "cuda":
         return {}
     import torch
@@ -109,6 +122,7 @@ def main(argv: list[str]) -> int:
         device = cfg.device
         if device == "cuda":
             torch.cuda.init()  # Part of the import baseline, as the imports are.
+        torch.set_float32_matmul_precision(cfg.precision)  # What the user sets; bridge_mr reads it.
     else:
         cfg, build, device = users.UserConfig(**spec["config"]), users.build, "cpu"
     if spec.get("count"):

@@ -1,5 +1,7 @@
-"""The "accelerator" case's rounds (issue 31): the documented FedAvg round and the tiny call,
-on the device a user's tensors live on ("cpu" or "cuda"), and what they would write instead.
+"""The "accelerator" case's rounds (issues 31, 41): the documented FedAvg round and the tiny
+call, on the device a user's tensors live on ("cpu" or "cuda"), or with host tensors on a TPU
+host ("tpu": the tensors on the CPU, JAX's programs on the chip), and what they would write
+instead, at torch's float32 matmul precision `precision` ("highest" or "medium").
 
 Rows (`AcceleratorConfig.model`):
 
@@ -12,14 +14,16 @@ Rows (`AcceleratorConfig.model`):
 Alternatives (`ALTERNATIVES`), each a zero-argument call returning what it computed (the server
 parameters after the round; the tiny call's gradients), its tensors created on the device:
 
-* "torch_loop": a plain torch loop over clients (and local steps, `torch.optim.SGD`).
+* "torch_loop": a plain torch loop over clients (and local steps, `torch.optim.SGD`); on a TPU
+  host, on the host CPU.
 * "torch_vmap": `torch.func.vmap` over clients of the local steps (tiny: of the client loss,
   then `.mean().backward()`).
 * "bridge_mr": the documented path, `strategy="auto"`; "bridge_mr:NAME" forces a strategy,
   "bridge_mr:chunks:16" chunks of 16 clients.
 * "pure_jax": the floor, `jax.jit(jax.vmap(...))` over clients of the same converted client
   (`from_torch` + `local_training`), the mean delta and the server step (tiny: `jax.jit` of
-  `jax.value_and_grad` of the same `jax_core` program), on the JAX device of the same kind.
+  `jax.value_and_grad` of the same `jax_core` program), on the JAX device of the same kind
+  (TPU: the chip), under `jax.default_matmul_precision` of the row's precision.
 
 `flops` counts a row's floating-point work once, from the vmap program's jaxpr
 (`bridge_mr.auto.cost`: matrix products and convolutions, loop bodies once per iteration);
@@ -86,8 +90,19 @@ GPU_PEAKS: dict[str, dict[str, Any]] = {
         "156 TFLOPS (312 with sparsity), FP32 19.5 TFLOPS",
     },
 }
+#: Peak FLOP/s of TPUs by JAX's `device_kind`, from Google's datasheets: the MXU's bf16 rate
+#: (a float32 matmul at precision "highest" takes 6 bf16 passes, "high" 3, "medium" one).
+TPU_PEAKS: dict[str, dict[str, Any]] = {
+    "TPU v5 lite": {
+        "bf16": 197e12,
+        "source": "Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e): 197 "
+        "TFLOP/s bf16 per chip",
+    },
+}
 #: The CPU reference: a float32 matmul of this size, timed in the counting process.
 CPU_MATMUL_N = 2048
+#: JAX's matmul precision for torch's float32 matmul precision (what bridge_mr applies).
+JAX_PRECISION = {"highest": "highest", "high": "high", "medium": "default"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +114,11 @@ class AcceleratorConfig:
       clients: clients in the round (the tiny call: in the call).
       steps: local SGD steps per client (the tiny call: 1, unused).
       batch: examples per step.
-      device: "cpu" or "cuda": where the tensors are created.
+      device: "cpu" or "cuda": where the tensors are created; "tpu": tensors on the CPU of a
+        TPU host, JAX's programs on the chip.
       lr: the clients' SGD learning rate.
+      precision: `torch.set_float32_matmul_precision`'s value in every alternative's process
+        ("highest", "high" or "medium"); pure JAX gets the same (`JAX_PRECISION`).
     """
 
     model: str
@@ -109,11 +127,19 @@ class AcceleratorConfig:
     batch: int = 10
     device: str = "cpu"
     lr: float = 0.05
+    precision: str = "highest"
 
     @property
     def row_id(self) -> str:
-        """The row's name in result tables: "accelerator/<model>/c<clients>"."""
-        return f"accelerator/{self.model}/c{self.clients}"
+        """The row's name in result tables: "accelerator/<model>/c<clients>[/<precision>]"
+        (the precision where it is not "highest")."""
+        suffix = "" if self.precision == "highest" else f"/{self.precision}"
+        return f"accelerator/{self.model}/c{self.clients}{suffix}"
+
+    @property
+    def tensor_device(self) -> str:
+        """Where the torch tensors live: the host CPU on a TPU host."""
+        return "cpu" if self.device == "tpu" else self.device
 
     def users(self) -> users.UserConfig:
         """The same round as `workloads.users` names it (its "cnn" data and model)."""
@@ -153,13 +179,13 @@ def _family(model: str) -> str:
 def _torch_data(cfg: AcceleratorConfig) -> dict[str, Any]:
     import torch
 
-    return {k: torch.from_numpy(v).to(cfg.device) for k, v in data(cfg).items()}
+    return {k: torch.from_numpy(v).to(cfg.tensor_device) for k, v in data(cfg).items()}
 
 
 def _jax_device(device: str) -> Any:
     import jax
 
-    return jax.devices("cuda" if device == "cuda" else "cpu")[0]
+    return jax.devices(device if device in ("cuda", "tpu") else "cpu")[0]
 
 
 def _jax_tree(tree: Mapping[str, np.ndarray], device: str) -> dict[str, Any]:
@@ -194,20 +220,20 @@ def _strategy(alternative: str) -> dict[str, Any]:
 
 def round_bridge_mr(cfg: AcceleratorConfig, alternative: str) -> Callable[[], Any]:
     """The documented round on the device (`users.bridge_mr_round`)."""
-    net = build_model(cfg.model).to(cfg.device)
+    net = build_model(cfg.model).to(cfg.tensor_device)
     local = _local(cfg, net)
     return users.bridge_mr_round(net, _torch_data(cfg), local, **_strategy(alternative))
 
 
 def round_torch_loop(cfg: AcceleratorConfig) -> Callable[[], Any]:
     """A plain torch loop on the device (`users.torch_loop_round`)."""
-    server = build_model(cfg.model).to(cfg.device)
+    server = build_model(cfg.model).to(cfg.tensor_device)
     return users.torch_loop_round(_family(cfg.model), server, _torch_data(cfg), cfg.steps, cfg.lr)
 
 
 def round_torch_vmap(cfg: AcceleratorConfig) -> Callable[[], Any]:
     """`torch.func.vmap` over clients on the device (`users.torch_vmap_round`)."""
-    net = build_model(cfg.model).to(cfg.device)
+    net = build_model(cfg.model).to(cfg.tensor_device)
     return users.torch_vmap_round(_family(cfg.model), net, _torch_data(cfg), cfg.steps, cfg.lr)
 
 
@@ -238,7 +264,8 @@ def round_pure_jax(cfg: AcceleratorConfig) -> Callable[[], Any]:
     on_device = _jax_tree(batches, cfg.device)
 
     def pure_jax_round() -> Any:
-        state[0] = step(state[0], on_device)
+        with jax.default_matmul_precision(JAX_PRECISION[cfg.precision]):
+            state[0] = step(state[0], on_device)
         return [state[0][name] for name in names]
 
     return pure_jax_round
@@ -282,14 +309,16 @@ def tiny_call(cfg: AcceleratorConfig, alternative: str) -> Callable[[], Any]:
         j_params, j_data = _jax_tree(params_np, cfg.device), _jax_tree(data_np, cfg.device)
 
         def pure_jax() -> Any:
-            _, grads = value_and_grad(j_params, j_data)
+            with jax.default_matmul_precision(JAX_PRECISION[cfg.precision]):
+                _, grads = value_and_grad(j_params, j_data)
             return [grads[k] for k in order]
 
         return pure_jax
     t_params = {
-        k: torch.tensor(v, device=cfg.device, requires_grad=True) for k, v in params_np.items()
+        k: torch.tensor(v, device=cfg.tensor_device, requires_grad=True)
+        for k, v in params_np.items()
     }
-    t_data = {k: torch.tensor(v, device=cfg.device) for k, v in data_np.items()}
+    t_data = {k: torch.tensor(v, device=cfg.tensor_device) for k, v in data_np.items()}
 
     def mlp_loss(p: Mapping[str, Any], x: Any, y: Any) -> Any:
         hidden = torch.tanh(x @ p["w1"] + p["b1"])
@@ -377,15 +406,24 @@ def flops(cfg: AcceleratorConfig) -> float:
 
 def device_peak(device: str) -> dict[str, Any]:
     """The FLOP/s achieved rates are compared with: {"name", "peak_flop_per_s", "source"}
-    (CUDA: "fp32_flop_per_s" too; an unknown GPU: no peak, the source says why).
+    (CUDA: "fp32_flop_per_s" too; an unknown GPU or TPU: no peak, the source says why).
 
-    CUDA: `gpu_peak` of the device's name, its dense TF32 Tensor Core rate. CPU: a float32
-    torch matmul of `CPU_MATMUL_N`, best of 10 after a warm-up, measured here (this process).
+    CUDA: `gpu_peak` of the device's name, its dense TF32 Tensor Core rate. TPU: `TPU_PEAKS`
+    of JAX's first device's kind, its bf16 rate. CPU: a float32 torch matmul of
+    `CPU_MATMUL_N`, best of 10 after a warm-up, measured here (this process).
     """
     import torch
 
     if device == "cuda":
         return gpu_peak(torch.cuda.get_device_name(0))
+    if device == "tpu":
+        import jax
+
+        kind = jax.devices("tpu")[0].device_kind
+        if kind not in TPU_PEAKS:
+            return {"name": kind, "source": f"no datasheet peak for {kind!r} in TPU_PEAKS"}
+        peak = TPU_PEAKS[kind]
+        return {"name": kind, "peak_flop_per_s": peak["bf16"], "source": peak["source"]}
     n = CPU_MATMUL_N
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
