@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything bridge_mr checks on a TPU host (one v5e chip), in one run from the repository root
-# that ends inside 9 minutes: the TPU leg of the tests (BRIDGE_MR_TPU=1 pytest -m tpu, JAX holding
-# the chip), then the TPU benchmark rows (scripts/tpu_bench.sh, when BRIDGE_MR_TPU_BENCH=1).
+# Everything bridge_mr checks on a TPU host (one v5e chip), from the repository root: the TPU leg
+# of the tests (BRIDGE_MR_TPU=1 pytest -m tpu, JAX holding the chip; BRIDGE_MR_TPU_TESTS=0 skips
+# it), then the TPU benchmark rows (scripts/tpu_bench.sh) when BRIDGE_MR_TPU_BENCH is 1 (every
+# part) or names parts ("tiny cnn50"). Tests and one or two parts end inside 9 minutes.
 # No network there: torch 2.13.0 (a CPU build) comes from the machine's own wheels
 # (/opt/wheels), optax and transformers from its package index (/opt/pypi/simple), torchax
 # from ./.whl-tpu (carried: `pip download torchax==0.0.14.dev20261026 -d .whl-tpu`); all under
@@ -27,15 +28,32 @@ echo "tpu_check: set-up took $(($(date +%s) - started)) s"
 python3 -c 'import jax, torch; print("jax", jax.__version__, jax.devices(), "torch", torch.__version__)'
 
 # The TPU leg: every test marked `tpu` (tests/tpu), JAX holding the chip in this one process.
-BRIDGE_MR_TPU=1 timeout -k 10 300 python3 -m pytest -m tpu tests/tpu -q -p no:cacheprovider -rs \
-  2>&1 | tee "$OUT/pytest_tpu.txt"
-tests_status=${PIPESTATUS[0]}
-echo "tpu_check: tests exit $tests_status after $(($(date +%s) - started)) s"
+tests_status=0
+if [ "${BRIDGE_MR_TPU_TESTS:-1}" = 1 ]; then
+  BRIDGE_MR_TPU=1 timeout -k 10 300 python3 -m pytest -m tpu tests/tpu -q -p no:cacheprovider \
+    -rs --durations=5 2>&1 | tee "$OUT/pytest_tpu.txt"
+  tests_status=${PIPESTATUS[0]}
+  echo "tpu_check: tests exit $tests_status after $(($(date +%s) - started)) s"
+fi
+
+# Ordinary legs on the TPU host (BRIDGE_MR_TPU_SUITE: test paths): tests/conftest.py keeps them
+# off the chip (JAX_PLATFORMS=cpu), on the host's simulated CPU devices as on any machine.
+suite_status=0
+if [ -n "${BRIDGE_MR_TPU_SUITE:-}" ]; then
+  read -ra paths <<<"$BRIDGE_MR_TPU_SUITE"
+  timeout -k 10 "${BRIDGE_MR_TPU_SUITE_S:-240}" python3 -m pytest "${paths[@]}" -q -x \
+    -p no:cacheprovider -m "not slow and not xla and not x64" 2>&1 | tail -15 \
+    | tee "$OUT/pytest_suite.txt"
+  suite_status=${PIPESTATUS[0]}
+  echo "tpu_check: suite exit $suite_status after $(($(date +%s) - started)) s"
+fi
 
 bench_status=0
-if [ "${BRIDGE_MR_TPU_BENCH:-0}" = 1 ]; then
-  bash scripts/tpu_bench.sh
-  bench_status=$?
-fi
-echo "tpu_check: tests $tests_status, benchmarks $bench_status, $(($(date +%s) - started)) s in all"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+case ${BRIDGE_MR_TPU_BENCH:-0} in
+  0) ;;
+  1) bash scripts/tpu_bench.sh; bench_status=$? ;;
+  *) read -ra parts <<<"$BRIDGE_MR_TPU_BENCH"; bash scripts/tpu_bench.sh "${parts[@]}"; bench_status=$? ;;
+esac
+echo "tpu_check: tests $tests_status, suite $suite_status, benchmarks $bench_status," \
+  "$(($(date +%s) - started)) s in all"
+[ "$tests_status" -eq 0 ] && [ "$suite_status" -eq 0 ] && [ "$bench_status" -eq 0 ]

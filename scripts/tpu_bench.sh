@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The TPU benchmark rows of issue 41 (python -m benchmarks --cases accelerator --device tpu), in
+# parts that fit the device's calls: scripts/tpu_bench.sh PART... (default: every part), run
+# from the repository root with PYTHONPATH set as scripts/tpu_check.sh sets it. A part that
+# would start after $BRIDGE_MR_TPU_BENCH_UNTIL (seconds since the epoch) is skipped, and says so.
+#
+#   tiny      the tiny call, highest and medium: torch loop (host), bridge_mr auto, pure JAX
+#   cnn50     the CNN round, 50 clients, highest: torch loop (host), torch.func.vmap (host),
+#             bridge_mr auto, vmap and per_client, pure JAX
+#   cnn       the CNN round, 50 and 500 clients, medium, and 500 highest: bridge_mr, pure JAX
+#   gpt2      GPT-2 2x128, 16 clients highest: torch loop (host), bridge_mr, pure JAX; 16 and
+#             128 clients medium and 128 highest: bridge_mr, pure JAX
+#   cache     the on-disk compile cache: the CNN round's first round in a fresh process twice
+#
+# Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/tpu_logs}
+UNTIL=${BRIDGE_MR_TPU_BENCH_UNTIL:-0}
+mkdir -p "$OUT"
+status=0
+
+bench() {  # bench NAME SECONDS ARGS...: one benchmarks run, its workers ended with it
+  local name=$1 limit=$2
+  shift 2
+  echo "tpu_bench: $name: python -m benchmarks --cases accelerator --device tpu $*"
+  timeout -k 10 "$limit" python3 -m benchmarks --cases accelerator --device tpu --no-plots \
+    --no-xla --out "$OUT/bench_$name" "$@" 2>&1 | tee "$OUT/bench_$name.txt"
+  local code=${PIPESTATUS[0]}
+  pkill -f benchmarks.workers.users 2>/dev/null  # a timed-out run's workers hold the chip
+  [ "$code" -eq 0 ] || { echo "tpu_bench: $name exited $code"; status=1; }
+}
+
+cache() {  # the CNN round's first round in a fresh process, twice, sharing one cache folder
+  local folder
+  folder=$(mktemp -d)
+  local spec='{"workload": "accelerator", "alternative": "bridge_mr", "save": "/tmp/cache.npz",
+    "config": {"model": "cnn", "clients": 50, "steps": 5, "batch": 10, "device": "tpu"}}'
+  for process in first second; do
+    echo quit | BRIDGE_MR_CACHE_DIR=$folder timeout -k 10 240 python3 -m benchmarks.workers.users \
+      "$spec" 2>&1 | grep -E '"event": "ready"|Error' | sed "s/^/tpu_bench: cache: $process process: /" \
+      | tee -a "$OUT/bench_cache.txt"
+  done
+  rm -rf "$folder"
+}
+
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tiny cnn50 cnn gpt2 cache)
+for part in "${parts[@]}"; do
+  if [ "$UNTIL" -gt 0 ] && [ "$(date +%s)" -ge "$UNTIL" ]; then
+    echo "tpu_bench: $part skipped: past BRIDGE_MR_TPU_BENCH_UNTIL"
+    status=1
+    continue
+  fi
+  case $part in
+    tiny) bench tiny 150 --models tiny --precision highest medium --reps 3 \
+            --alternatives torch_loop bridge_mr pure_jax ;;
+    cnn50) bench cnn50 240 --models cnn --clients 50 --reps 3 --alternatives torch_loop \
+             torch_vmap bridge_mr bridge_mr:vmap bridge_mr:per_client pure_jax ;;
+    cnn) bench cnn_medium 150 --models cnn --clients 50 500 --precision medium --reps 3 \
+           --alternatives bridge_mr pure_jax
+         bench cnn500 120 --models cnn --clients 500 --reps 3 --alternatives bridge_mr pure_jax ;;
+    gpt2) bench gpt2_16 150 --models gpt2_128 --clients 16 --reps 3 \
+            --alternatives torch_loop bridge_mr pure_jax
+          bench gpt2_medium 180 --models gpt2_128 --clients 16 128 --precision medium --reps 3 \
+            --alternatives bridge_mr pure_jax
+          bench gpt2_128 120 --models gpt2_128 --clients 128 --reps 3 \
+            --alternatives bridge_mr pure_jax ;;
+    cache) cache ;;
+    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache)"; status=1 ;;
+  esac
+done
+exit $status
