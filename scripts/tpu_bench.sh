@@ -11,6 +11,7 @@
 #   gpt2      GPT-2 2x128, 16 clients highest: torch loop (host), bridge_mr, pure JAX; 16 and
 #             128 clients medium and 128 highest: bridge_mr, pure JAX
 #   cache     the on-disk compile cache: the CNN round's first round in a fresh process twice
+#   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds, as they come
 #
 # Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
 set -uo pipefail
@@ -44,6 +45,18 @@ cache() {  # the CNN round's first round in a fresh process, twice, sharing one 
   rm -rf "$folder"
 }
 
+raw() {  # raw ALTERNATIVE MODEL CLIENTS PRECISION: one worker's events as they come (a first
+  # round, then 3 rounds), for what a call's time limit would cut off before a table is written
+  local spec="{\"workload\": \"accelerator\", \"alternative\": \"$1\", \"save\": \"/tmp/raw.npz\",
+    \"config\": {\"model\": \"$2\", \"clients\": $3, \"steps\": ${STEPS:-5}, \"batch\": ${BATCH:-10},
+    \"device\": \"tpu\", \"precision\": \"$4\"}}"
+  local env=()
+  [[ $1 == torch* ]] && env=(JAX_PLATFORMS=cpu)
+  printf 'round\nround\nround\nquit\n' | env "${env[@]}" timeout -k 5 "${RAW_S:-120}" python3 \
+    -m benchmarks.workers.users "$spec" 2>&1 | grep -E '"event"|Error' \
+    | sed "s/^/tpu_bench: raw $1 $2 c$3 $4: /" | tee -a "$OUT/bench_raw.txt"
+}
+
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tiny cnn50 cnn gpt2 cache)
 for part in "${parts[@]}"; do
@@ -67,6 +80,9 @@ for part in "${parts[@]}"; do
           bench gpt2_128 120 --models gpt2_128 --clients 128 --reps 3 \
             --alternatives bridge_mr pure_jax ;;
     cache) cache ;;
+    raw:*) rest=${part#raw:}  # the alternative may hold colons (bridge_mr:chunks:16)
+           precision=${rest##*:}; rest=${rest%:*}; clients=${rest##*:}; rest=${rest%:*}
+           model=${rest##*:}; raw "${rest%:*}" "$model" "$clients" "$precision" ;;
     *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache)"; status=1 ;;
   esac
 done
