@@ -419,11 +419,7 @@ def device_peak(device: str) -> dict[str, Any]:
     if device == "tpu":
         import jax
 
-        kind = jax.devices("tpu")[0].device_kind
-        if kind not in TPU_PEAKS:
-            return {"name": kind, "source": f"no datasheet peak for {kind!r} in TPU_PEAKS"}
-        peak = TPU_PEAKS[kind]
-        return {"name": kind, "peak_flop_per_s": peak["bf16"], "source": peak["source"]}
+        return tpu_peak(jax.devices("tpu")[0].device_kind)
     n = CPU_MATMUL_N
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
@@ -448,6 +444,15 @@ def gpu_peak(name: str) -> dict[str, Any]:
                 "source": f"{peak['source']}; the peak: dense TF32 Tensor Core",
             }
     return {"name": name, "source": f"no datasheet peak for {name!r} in GPU_PEAKS"}
+
+
+def tpu_peak(kind: str) -> dict[str, Any]:
+    """`device_peak` of the TPU JAX calls `kind`, from `TPU_PEAKS` (its bf16 rate); without a
+    peak (the source says why) for a kind not there."""
+    if kind not in TPU_PEAKS:
+        return {"name": kind, "source": f"no datasheet peak for {kind!r} in TPU_PEAKS"}
+    peak = TPU_PEAKS[kind]
+    return {"name": kind, "peak_flop_per_s": peak["bf16"], "source": peak["source"]}
 
 
 def _seconds(fn: Callable[[], Any]) -> float:

@@ -1,10 +1,11 @@
-"""The "accelerator" case (issue 31) on the CPU: `--device` and the case's options parse, the
-GPU peak table answers by device name, and a tiny run writes rows with the first round, the
-later rounds' median, peak memory, FLOPs and the fraction of the device's peak, every
-alternative in its own process.
+"""The "accelerator" case (issues 31, 41) on the CPU: `--device` and the case's options parse,
+`--device tpu` refuses without a TPU, the GPU and TPU peak tables answer by device name, and a
+tiny run writes rows with the first round, the later rounds' median, peak memory, FLOPs and the
+fraction of the device's peak, every alternative in its own process.
 
 Only whether the case runs and reports is checked here; its times are benchmark rows. The CUDA
-path (`--device cuda`) runs in scripts/gpu_check.sh on a GPU machine.
+path (`--device cuda`) runs in scripts/gpu_check.sh on a GPU machine, the TPU path
+(`--device tpu`) in scripts/tpu_bench.sh on a TPU host.
 """
 
 from __future__ import annotations
@@ -35,8 +36,45 @@ def test_device_is_an_option_and_the_case_is_opt_in() -> None:
     assert "users_path" in default.cases
     asked = main._parse(["--cases", "accelerator", "--device", "cuda", "--reps", "2"])
     assert (asked.cases, asked.device, asked.reps) == (["accelerator"], "cuda", 2)
+    tpu = main._parse(
+        ["--cases", "accelerator", "--device", "tpu", "--precision", "highest", "medium"]
+    )
+    assert (tpu.device, tpu.precision) == ("tpu", ["highest", "medium"])
     with pytest.raises(SystemExit):
-        main._parse(["--device", "tpu"])
+        main._parse(["--device", "gpu"])
+    with pytest.raises(SystemExit):
+        main._parse(["--precision", "low"])
+
+
+def test_device_tpu_without_a_tpu_says_what_is_missing_before_running(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    main = benchmark("__main__").main
+    status = main(["--cases", "accelerator", "--device", "tpu", "--out", str(tmp_path)])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "--device tpu: JAX's default backend is 'cpu', not a TPU" in err
+    assert "Fix:" in err
+    assert main(["--cases", "overhead", "--device", "tpu", "--out", str(tmp_path)]) == 2
+    assert "runs the accelerator case only" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # Nothing ran.
+
+
+def test_a_tpu_row_keeps_torch_on_the_host_and_names_its_precision(rows: ModuleType) -> None:
+    highest = rows.AcceleratorConfig("cnn", 50, device="tpu")
+    medium = rows.AcceleratorConfig("cnn", 50, device="tpu", precision="medium")
+    assert (highest.tensor_device, highest.row_id) == ("cpu", "accelerator/cnn/c50")
+    assert medium.row_id == "accelerator/cnn/c50/medium"
+    assert rows.AcceleratorConfig("cnn", 50, device="cuda").tensor_device == "cuda"
+
+
+def test_tpu_peaks_by_kind(rows: ModuleType) -> None:
+    v5e = rows.tpu_peak("TPU v5 lite")  # JAX's device_kind of a v5e
+    assert v5e["peak_flop_per_s"] == pytest.approx(197e12)
+    assert "datasheet" in v5e["source"] or "documentation" in v5e["source"]
+    unknown = rows.tpu_peak("TPU v9")
+    assert "peak_flop_per_s" not in unknown
+    assert "no datasheet peak" in unknown["source"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is missing")
