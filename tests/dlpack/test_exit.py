@@ -7,15 +7,22 @@ inside a noexcept destructor: `std::terminate`, exit status 134. Before the exit
 40 runs with one CPU device, 8 of 30 with eight; none with the hook): its backward imports the
 cotangent, which autograd hands over expanded, by a copy and DLPack. The children run with a
 long switch interval, so that a worker waiting for the GIL is not handed it within 5 ms: then
-the script aborted about 1 time in 2 without the hook (22 of 40 runs, 25 of 40).
+the script aborted about 1 time in 2 without the hook (22 of 40 runs, 25 of 40). A hook that
+waited only for the recorded aliases to die still let 1 run in 40 abort on a loaded CI machine
+(8 devices): torch's deleter lets the GIL go and takes it back after the alias's weak
+references are gone; with that gap widened to 20 ms (an LD_PRELOAD shim on PyEval_SaveThread)
+15 of 24 runs aborted, and none with the hook as it is (pins, and waits for frameless thread
+states). The in-process tests below check the pin and that wait.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -105,7 +112,25 @@ def test_an_import_that_a_live_array_holds_is_not_owed() -> None:
     del array, handles
 
 
-def test_settle_returns_once_xla_has_released_what_it_read() -> None:
+@pytest.mark.skipif(not _owed._PINNABLE, reason="this torch counts references otherwise")
+def test_settle_pins_an_import_that_jax_still_holds() -> None:
+    tensor = torch.arange(12.0).reshape(3, 4).t()  # transposed: imported by DLPack
+    array = dlpack.to_jax(tensor)
+    [alias] = [h for h in list(_owed._HANDLES) if h.data_ptr() == tensor.data_ptr()]
+    ref = weakref.ref(alias)
+    del alias
+    assert _owed.settle(timeout=60)
+    pinned = ref()
+    assert pinned is not None
+    assert all(h is not pinned for h in list(_owed._HANDLES))  # Forgotten: nothing is owed.
+    assert pinned._use_count() == 3  # its Python object, the capsule, the pin
+    del array  # The capsule's release is no longer torch's last reference: no GIL taken.
+    assert pinned._use_count() == 2
+    del pinned
+    assert ref() is not None  # Pinned for good.
+
+
+def test_settle_leaves_nothing_owed_by_a_computation_that_read_an_import() -> None:
     @jax.jit
     def slow(x: jax.Array) -> jax.Array:
         return jax.lax.fori_loop(0, 20, lambda _, y: jnp.tanh(y @ x), x)
@@ -115,3 +140,22 @@ def test_settle_returns_once_xla_has_released_what_it_read() -> None:
     assert _owed.settle(timeout=60)
     assert all(h.data_ptr() != tensor.data_ptr() for h in _owed.owed())
     result.block_until_ready()
+
+
+def test_settle_waits_for_a_thread_inside_a_gil_section() -> None:
+    # A thread state without a Python frame, as pybind11 makes for torch's capsule deleter on an
+    # XLA worker thread (which lets the GIL go and takes it back while it frees the tensor).
+    api = ctypes.pythonapi
+    api.PyThreadState_New.restype = ctypes.c_void_p
+    api.PyThreadState_New.argtypes = [ctypes.c_void_p]
+    api.PyThreadState_Clear.argtypes = [ctypes.c_void_p]
+    api.PyThreadState_Delete.argtypes = [ctypes.c_void_p]
+    state = api.PyThreadState_New(api.PyInterpreterState_Get())
+    try:
+        assert _owed._frameless_thread_states() == 1
+        assert not _owed.settle(timeout=0.05)
+    finally:
+        api.PyThreadState_Clear(state)
+        api.PyThreadState_Delete(state)
+    assert _owed._frameless_thread_states() == 0
+    assert _owed.settle(timeout=60)
