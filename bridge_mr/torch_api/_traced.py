@@ -23,7 +23,7 @@ from typing import Any, TypeVar, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bridge_mr import distributed, jax_core, runners
 from bridge_mr._dtypes import Aval, is_differentiable, torch_dtype
@@ -143,6 +143,10 @@ class TracedCall:
     #: The XLA options the runners compile forward and the VJP over its residuals with (on CPU:
     #: YNNPACK's fusions chosen from the program, `jax_core.cpu_compiler_options`).
     compiler_options: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    #: Over a mesh: the types (shapes, dtypes, shardings) of what forward computes for backward,
+    #: as the runner carries them to the VJP (residuals sharded along an Explicit placement axis
+    #: say so); empty otherwise, where `extra_avals` tell all.
+    extra_types: tuple[jax.ShapeDtypeStruct, ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def n_exported(self) -> int:
@@ -175,18 +179,25 @@ def trace(spec: CallSpec, counter: TraceCounter) -> TracedCall:
     """
     structured = jax.jit(_on_device(spec, functools.partial(_forward, spec, counter)))
     with runners.trace_context(spec.device_type):
-        traced = structured.trace(*_shape_structs(spec.in_avals))
-    _, outputs = traced.out_info
+        # Typed as the runner passes the tensors: the residuals' order and tree come from this
+        # trace, and backward reads the residuals forward computed with them.
+        traced = structured.trace(*_shape_structs(spec.in_avals, _tensor_sharding(spec)))
+    flat, outputs = traced.out_info
     options = jax_core.cpu_compiler_options(traced.jaxpr) if spec.device_type == "cpu" else {}
     forward = jax.jit(functools.partial(_outputs_of, structured, spec.name, outputs))
-    return TracedCall(spec, forward, outputs, counter, options)
+    sharding = _tensor_sharding(spec)
+    extra_types = ()
+    if sharding is not None:
+        extra_types = tuple(_on_mesh(struct, sharding) for struct in flat[outputs.n_out :])
+    return TracedCall(spec, forward, outputs, counter, options, extra_types)
 
 
 def residual_vjp(call: TracedCall) -> runners.Jitted:
     """The jitted VJP over forward's residuals: (float cotangents, residuals) -> gradients."""
     jitted = jax.jit(_on_device(call.spec, functools.partial(_backward, call)))
     with runners.trace_context(call.spec.device_type):
-        jitted.trace(*_shape_structs((*call.cotangent_avals, *call.extra_avals)))
+        cotangents = _shape_structs(call.cotangent_avals, _tensor_sharding(call.spec))
+        jitted.trace(*cotangents, *(call.extra_types or _shape_structs(call.extra_avals)))
     return jitted
 
 
@@ -310,8 +321,31 @@ def _on_device(spec: CallSpec, program: F) -> F:
     return cast(F, at_torch_precision)
 
 
-def _shape_structs(avals: Sequence[Aval]) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(*aval) for aval in avals]
+def _shape_structs(avals: Sequence[Aval], sharding: Any = None) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(*aval, sharding=sharding) for aval in avals]
+
+
+def _tensor_sharding(spec: CallSpec) -> NamedSharding | None:
+    """How the runner passes `spec`'s tensors to its programs: replicated over a mesh, or None.
+
+    The DLPack runner replicates tensors over `spec.mesh` (`runners.DlpackRunner`). Tracing with
+    the same types matters beyond a second trace: where the placement axis is Explicit, the
+    server's leaves typed on no mesh are resharded onto it (`jax_core.map_fn`) and typed on the
+    mesh are not, and the VJP's residuals then come in another order.
+    """
+    if spec.mesh is None or spec.layout is not None or spec.device_type == "xla":
+        return None
+    return NamedSharding(spec.mesh, PartitionSpec())
+
+
+def _on_mesh(struct: jax.ShapeDtypeStruct, tensors: NamedSharding) -> jax.ShapeDtypeStruct:
+    """A traced output's type on the tensors' concrete mesh, as the array forward returns has it.
+
+    The trace types it on the abstract mesh, or on none (then it is replicated); typed so, the
+    VJP's first trace would not be the one its runner reuses.
+    """
+    spec = PartitionSpec() if struct.sharding is None else struct.sharding.spec
+    return jax.ShapeDtypeStruct(struct.shape, struct.dtype, sharding=tensors.update(spec=spec))
 
 
 def _outputs_of(

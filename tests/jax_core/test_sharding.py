@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 
 import jax
@@ -176,6 +178,40 @@ def test_gradients_under_explicit_mesh_match_unsharded():
         sharded = fn(x, y)
     assert sharded[1].sharding.spec[0] == "clients"
     assert_trees_all_close(sharded, expected)
+
+
+# Client outputs that are not scalars: their VJP takes a cotangent of their shape.
+VALUED = {"vector": lambda h: h.mean(0), "matrix": lambda h: h.T @ h / h.shape[0]}
+
+
+@pytest.mark.parametrize("output", list(VALUED))
+@pytest.mark.parametrize("axis_type", [None, AUTO, EXPLICIT], ids=["no_mesh", "auto", "explicit"])
+def test_vector_and_matrix_valued_rounds_match_plain_jax(axis_type, output):
+    x, y = _inputs(8)
+
+    def client(a, b):
+        return VALUED[output](jnp.tanh(b @ a))
+
+    @mr.program(clients=8)
+    def ours(x, y):
+        return mr.reduce_mean(mr.map_fn(client, (mr.broadcast(x), y)))
+
+    def plain(x, y):
+        return jax.vmap(client, in_axes=(None, 0))(x, y).mean(0)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def value_and_vjp(fn, x, y, cotangent):
+        value, vjp = jax.vjp(fn, x, y)
+        return value, vjp(cotangent)
+
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=jax.eval_shape(plain, x, y).shape))
+    want = value_and_vjp(plain, x, y, cotangent)
+    with jax.set_mesh(_mesh("clients8", axis_type)) if axis_type else contextlib.nullcontext():
+        got = value_and_vjp(ours, x, y, cotangent)
+        rounds = value_and_vjp(functools.partial(mr.map_reduce, client), x, y, cotangent)
+    assert got[0].shape == want[0].shape == {"vector": (4,), "matrix": (4, 4)}[output]
+    assert_trees_all_close(got, want)
+    assert_trees_all_close(rounds, want)
 
 
 def _weighted_loss(x, w, mesh=None):
