@@ -94,6 +94,12 @@ def writes_first_argument(func: Any) -> bool:
     return alias is not None and alias.is_write
 
 
+def use_count(tensor: torch.Tensor) -> int:
+    """How many references hold `tensor`'s TensorImpl (its Python object, DLPack capsules, other
+    tensors' views do not count): torch's private `Tensor._use_count()`, torch 2.9 - 2.13."""
+    return int(tensor._use_count())  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def dispatches_to_python(tensor: torch.Tensor) -> bool:
     """Whether a torch tensor is a `__torch_dispatch__` subclass (e.g. a wrapper subclass).
 

@@ -40,7 +40,7 @@ makes every such release safe before finalization begins:
   middle of a GIL section, whatever its cause.
 
 Both checks run with the GIL held, back to back, so nothing a worker owes can slip between them.
-A torch that counts references otherwise (`_counts_as_expected`: where the tensor owns its
+A torch that counts references otherwise (`pinnable`: where the tensor owns its
 Python object once only C++ holds it, as before torch's current scheme) is not pinned: `settle`
 then waits, as it did before, for every handle whose buffer no live JAX array holds (`owed`),
 and for the frameless thread states. Nothing of torch's or JAX's is changed; the thread states
@@ -60,6 +60,8 @@ from typing import Any
 
 import jax  # Imported first: its atexit hook then runs after `settle`.
 import torch
+
+from bridge_mr._compat import torch as torch_compat
 
 from . import _runtime
 
@@ -126,11 +128,12 @@ def settle(timeout: float = EXIT_WAIT_SECONDS) -> bool:
     deadline = time.monotonic() + timeout
     pins: list[Any] = []
     _API.Py_IncRef(ctypes.py_object(pins))  # Never freed, not even when modules are cleared.
+    pinning = pinnable()
     while True:
-        if _PINNABLE:
+        if pinning:
             _pin_all(pins)
         # With the GIL held from here to the return: no release can begin or end in between.
-        if not _still_owed() and not _frameless_thread_states():
+        if not _still_owed(pinning) and not _frameless_thread_states():
             return True
         if time.monotonic() >= deadline:
             _LOG.debug(
@@ -144,10 +147,10 @@ def settle(timeout: float = EXIT_WAIT_SECONDS) -> bool:
         time.sleep(_POLL_SECONDS)  # Lets a worker thread that waits for the GIL take it.
 
 
-def _still_owed() -> bool:
+def _still_owed(pinning: bool) -> bool:
     # No list of handles outlives the call: holding them while `settle` sleeps would keep them
     # alive.
-    return bool(_HANDLES) if _PINNABLE else bool(owed())
+    return bool(_HANDLES) if pinning else bool(owed())
 
 
 def _pin_all(pins: list[Any]) -> None:
@@ -163,10 +166,10 @@ def _pin_all(pins: list[Any]) -> None:
 def _pin(alias: Any, pins: list[Any]) -> bool:
     """Takes a reference on `alias`'s tensor into `pins` if a capsule still holds it; False
     where its release has begun (then it is left to finish)."""
-    if alias._use_count() < _CAPSULE_HELD:
+    if torch_compat.use_count(alias) < _CAPSULE_HELD:
         return False
     pin = _runtime.tensor_to_capsule(alias)
-    if alias._use_count() < _PINNED_AND_HELD:
+    if torch_compat.use_count(alias) < _PINNED_AND_HELD:
         # Released meanwhile: perhaps before the pin, whose reference would then revive the
         # alias the worker is about to drop. Dropped here, with the GIL held.
         del pin
@@ -175,7 +178,7 @@ def _pin(alias: Any, pins: list[Any]) -> bool:
     return True
 
 
-def _counts_as_expected() -> bool:
+def pinnable() -> bool:
     """Whether this torch counts a recorded handle's references as pinning expects: its Python
     object holds one while a capsule holds another (torch 2.13 does; torch releases whose
     Python object, once only C++ holds the tensor, is owned by the tensor instead count the
@@ -185,7 +188,7 @@ def _counts_as_expected() -> bool:
     capsule = _runtime.tensor_to_capsule(probe)
     del probe
     alias: Any = ref()
-    counted = alias is not None and alias._use_count() == _CAPSULE_HELD
+    counted = alias is not None and torch_compat.use_count(alias) == _CAPSULE_HELD
     del alias, capsule
     return counted
 
@@ -229,6 +232,4 @@ def _frameless_thread_states() -> int:
     return count
 
 
-#: Whether `settle` can pin (`_counts_as_expected`).
-_PINNABLE = _counts_as_expected()
 atexit.register(settle)

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from bridge_mr import dlpack
+from bridge_mr._compat import torch as torch_compat
 from bridge_mr.dlpack import _owed
 
 _RUNS = 40  # Without the hook, all 40 exit cleanly about once in 10**8.
@@ -112,7 +113,7 @@ def test_an_import_that_a_live_array_holds_is_not_owed() -> None:
     del array, handles
 
 
-@pytest.mark.skipif(not _owed._PINNABLE, reason="this torch counts references otherwise")
+@pytest.mark.skipif(not _owed.pinnable(), reason="this torch counts references otherwise")
 def test_settle_pins_an_import_that_jax_still_holds() -> None:
     tensor = torch.arange(12.0).reshape(3, 4).t()  # transposed: imported by DLPack
     array = dlpack.to_jax(tensor)
@@ -123,9 +124,9 @@ def test_settle_pins_an_import_that_jax_still_holds() -> None:
     pinned = ref()
     assert pinned is not None
     assert all(h is not pinned for h in list(_owed._HANDLES))  # Forgotten: nothing is owed.
-    assert pinned._use_count() == 3  # its Python object, the capsule, the pin
+    assert torch_compat.use_count(pinned) == 3  # its Python object, the capsule, the pin
     del array  # The capsule's release is no longer torch's last reference: no GIL taken.
-    assert pinned._use_count() == 2
+    assert torch_compat.use_count(pinned) == 2
     del pinned
     assert ref() is not None  # Pinned for good.
 
