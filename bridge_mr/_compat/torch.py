@@ -7,6 +7,7 @@ Imports torch only.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -19,6 +20,7 @@ __all__ = [
     "autograd_apply",
     "dispatches_to_python",
     "flatten_dense_tensors",
+    "float32_matmul_precision",
     "foreach_copy",
     "forward_ad_active",
     "functional_inner",
@@ -29,11 +31,13 @@ __all__ = [
     "is_op_overload",
     "pad_sequence",
     "tensor_from_capsule",
+    "use_count",
     "version_of",
     "writes_first_argument",
 ]
 
 _Tensor = torch.Tensor
+_PRECISION_READ_WARNS = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
 _dispatch_keys = torch._C._dispatch_keys
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _unwrap_if_dead = _functorch.unwrap_if_dead
@@ -120,6 +124,17 @@ def graph_break_resumes() -> bool:
     """
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 13)
+
+
+def float32_matmul_precision() -> str:
+    """`torch.get_float32_matmul_precision()`, without the warning torch 2.9 gives at each read
+    ("Please use the new API settings to control TF32 behavior", which the user's code did not
+    cause); torch 2.13 reads it silently, older releases under `warnings.catch_warnings`."""
+    if not _PRECISION_READ_WARNS:
+        return torch.get_float32_matmul_precision()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Please use the new API settings", UserWarning)
+        return torch.get_float32_matmul_precision()
 
 
 def graph_break(msg: str) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from bridge_mr import jax_core
 from bridge_mr._compat import jax as jax_compat
+from bridge_mr._compat import torch as torch_compat
 
 from ._static import FUNCTION_TYPES, FunctionIdentity, function_key, static_key
 
@@ -35,7 +36,7 @@ def context() -> tuple[Any, Any, Any, str]:
         jax_core.current_placement(),
         jax_core.ambient_mesh(),
         jax_compat.trace_context(),
-        torch.get_float32_matmul_precision(),
+        torch_compat.float32_matmul_precision(),
     )
 
 
@@ -54,7 +55,7 @@ def matmul_precision() -> str:
       >>> torch.get_float32_matmul_precision(), matmul_precision()
       ('highest', 'highest')
     """
-    return _PRECISIONS[torch.get_float32_matmul_precision()]
+    return _PRECISIONS[torch_compat.float32_matmul_precision()]
 
 
 def call_key(
