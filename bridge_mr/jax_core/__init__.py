@@ -12,6 +12,7 @@ from ._clear import clear_caches as clear_caches
 from ._cpu import accurate_sums as accurate_sums
 from ._cpu import cpu_compiler_options as cpu_compiler_options
 from ._cpu import cpu_program as cpu_program
+from ._grouped import matmul_convolutions as matmul_convolutions
 from ._layouts import canonical_layouts as canonical_layouts
 from ._map_reduce import map_reduce as map_reduce
 from ._maps import map_p as map_p
@@ -42,6 +43,7 @@ __all__ = [
     "map_fn",
     "map_p",
     "map_reduce",
+    "matmul_convolutions",
     "mean_p",
     "program",
     "reduce_mean",

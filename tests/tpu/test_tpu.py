@@ -203,3 +203,66 @@ def test_a_fedavg_round_on_the_chip_equals_the_cpu() -> None:
     assert all(v.device.type == "cpu" for v in on_chip.values())
     errors = leaf_errors(on_chip, on_cpu)
     assert max(errors.values()) <= 1e-5, errors
+
+
+def _cnn_round_case() -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """8 clients, 3 local steps of 4 images: conv 3->16, conv 16->32, linear (wide enough for
+    the frontend to run its per-client convolutions as matrix products on a TPU)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 4 * 4, 10),
+    )
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    data = {"x": torch.randn(8, 3, 4, 3, 8, 8, generator=g), "y": torch.randint(0, 10, (8, 3, 4))}
+    return net, params, data
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "auto"])
+def test_per_client_convolutions_on_the_chip_equal_the_cpu(strategy: str) -> None:
+    """A FedAvg round of a from_torch CNN (per-client kernels after the first local step, which
+    vmap groups): on the chip as batched matrix products, at "highest" the CPU's values."""
+    optax = pytest.importorskip("optax")
+    net, params, data = _cnn_round_case()
+
+    def local(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(torch.func.functional_call(net, p, (b["x"],)), b["y"])
+
+    train = bridge_mr.algorithms.local_training(
+        bridge_mr.from_torch(local), optax.sgd(0.1), steps=3
+    )
+    on_chip, _ = bridge_mr.algorithms.mean_delta(train, params, data, strategy=strategy)
+    with jax.default_device(jax.devices("cpu")[0]):
+        on_cpu, _ = bridge_mr.algorithms.mean_delta(train, params, data, strategy="per_client")
+    errors = leaf_errors(on_chip, on_cpu)
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_the_chip_compiles_matmul_convolutions_without_grouped_convolutions() -> None:
+    """jax_core.matmul_convolutions on the chip: XLA:TPU gets batched products where vmap
+    wrote grouped convolutions, with the same values at "highest"."""
+
+    def client(w: jax.Array, x: jax.Array) -> jax.Array:
+        def loss(k: jax.Array) -> jax.Array:
+            return jnp.mean(jax.lax.conv(x, k, (1, 1), "SAME") ** 2)
+
+        for _ in range(2):  # The second step's kernel is the client's own.
+            w = w - 0.1 * jax.grad(loss)(w)
+        return w
+
+    round_ = jax.vmap(client, (None, 0))
+    w = jax.random.normal(jax.random.key(0), (32, 16, 3, 3)) / 12
+    xs = jax.random.normal(jax.random.key(1), (8, 4, 16, 14, 14))
+    grouped = jax.jit(round_).lower(w, xs).compile()
+    rewritten = jax.jit(bridge_mr.jax_core.matmul_convolutions(round_)).lower(w, xs).compile()
+    assert "feature_group_count" in grouped.as_text()
+    assert "feature_group_count" not in rewritten.as_text()
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(round_)(w, xs)
+        got = jax.jit(bridge_mr.jax_core.matmul_convolutions(round_))(w, xs)
+    assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-5
