@@ -11,6 +11,9 @@
 #   gpt2      GPT-2 2x128, 16 clients highest: torch loop (host), bridge_mr, pure JAX; 16 and
 #             128 clients medium and 128 highest: bridge_mr, pure JAX
 #   cache     the on-disk compile cache: the CNN round's first round in a fresh process twice
+#   convs     issue 42's rows: the CNN round's per-client convolutions grouped or as matrix
+#             products, 50 / 500 / 2000 clients, medium and highest, in one process
+#             (benchmarks/studies/bench_conv_lowering.py; $CONVS_S seconds, default 330)
 #   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds, as they come
 #
 # Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
@@ -57,6 +60,15 @@ raw() {  # raw ALTERNATIVE MODEL CLIENTS PRECISION: one worker's events as they 
     | sed "s/^/tpu_bench: raw $1 $2 c$3 $4: /" | tee -a "$OUT/bench_raw.txt"
 }
 
+convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows so far are kept)
+  local limit=${CONVS_S:-330}
+  echo "tpu_bench: convs: python -m benchmarks.studies.bench_conv_lowering --until $((limit - 30))"
+  timeout -k 10 "$limit" python3 -m benchmarks.studies.bench_conv_lowering --device tpu \
+    --until $((limit - 30)) --out "$OUT/bench_convs.md" 2>&1 | tee "$OUT/bench_convs.txt"
+  local code=${PIPESTATUS[0]}
+  [ "$code" -eq 0 ] || { echo "tpu_bench: convs exited $code"; status=1; }
+}
+
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tiny cnn50 cnn gpt2 cache)
 for part in "${parts[@]}"; do
@@ -80,6 +92,7 @@ for part in "${parts[@]}"; do
           bench gpt2_128 120 --models gpt2_128 --clients 128 --reps 3 \
             --alternatives bridge_mr pure_jax ;;
     cache) cache ;;
+    convs) convs ;;
     raw:*) rest=${part#raw:}  # the alternative may hold colons (bridge_mr:chunks:16)
            precision=${rest##*:}; rest=${rest%:*}; clients=${rest##*:}; rest=${rest%:*}
            model=${rest##*:}; raw "${rest%:*}" "$model" "$clients" "$precision" ;;

@@ -85,10 +85,10 @@ def grouped_as_matmul(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
     if eqn.primitive is not conv_general_dilated_p:
         return None
     params = eqn.params
-    shapes = [tuple(atom.aval.shape) for atom in eqn.invars]
-    if not _pays(shapes, params) or any(sharded(atom.aval) for atom in eqn.invars):
-        return None
-    if params.get("out_sharding") is not None:
+    avals: list[Any] = [atom.aval for atom in eqn.invars]
+    if params.get("out_sharding") is not None or any(map(sharded, avals)):
+        return None  # The shardings in the types would need the same reshapes.
+    if not _pays([tuple(a.shape) for a in avals], params):
         return None
     return equations(lambda lhs, rhs: grouped_convolution(lhs, rhs, **params), eqn)
 

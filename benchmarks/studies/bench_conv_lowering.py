@@ -1,0 +1,209 @@
+"""The CNN round's per-client convolutions, grouped or as matrix products (issue 42), in one
+process, on the chip (or the CPU).
+
+    python -m benchmarks.studies.bench_conv_lowering [--device tpu] [--rows 50:highest ...]
+        [--reps N] [--until SECONDS] [--out FILE]
+
+The round is the "accelerator" case's CNN row (pfl-research's CIFAR10 simple_cnn, 5 local SGD
+steps of 10 images per client, `from_torch` + `local_training`; `workloads.accelerator`). A row
+is CLIENTS:PRECISION (torch's float32 matmul precision, "highest" or "medium"; pure JAX under
+the same `jax.default_matmul_precision`). Variants, each from the same server parameters:
+
+* "pure_jax": `jax.jit(jax.vmap(local))`, the mean delta, the server step: the floor a JAX
+  user writes, whose convolutions over per-client kernels are grouped convolutions;
+* "matmul": the same program through `jax_core.matmul_convolutions` (batched matrix products);
+* "matmul:chunks:K": `jax_core.map_reduce(strategy="chunks", chunk_size=K)` of the same client,
+  rewritten so (the memory of K clients at a time);
+* "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), what
+  the frontend compiles for the device (on a TPU: with the rewrite).
+
+Per row: each variant's first call (trace, compile, run) apart, then `--reps` rounds timed
+interleaved (A B C, B C A, ...), with the 1-minute load average per timed round; each variant's
+result against the first variant's that ran (pure JAX's unless it ran out of memory; max
+|difference| / max |value|); achieved FLOP/s (the vmap program's
+operations, `auto.cost`) against the device's peak (`device_peak`: a TPU's bf16 rate) and, on
+a TPU, against the precision's (a float32 product at "highest" takes 6 bf16 passes, "high" 3).
+A variant that runs out of memory says so. Rows run in the order given while `--until` seconds
+(since start) have not passed. Each result is printed as a JSON line as it comes (so that a
+cut-off run keeps what it measured), then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+
+from benchmarks.workloads import accelerator as acc
+
+#: bf16 passes per float32 product at each torch precision (XLA's float32 emulation).
+PASSES = {"highest": 6, "high": 3, "medium": 1}
+#: The rows in the order they run (issue 42's targets first).
+DEFAULT_ROWS = ("50:medium", "500:medium", "500:highest", "50:highest", "2000:medium")
+#: Above this many clients the vmap forms (pure JAX, matmul) and the torch round are not run:
+#: a v5e's 16 GB do not hold pure JAX's vmap of 500 clients at "highest" (19.2 GB).
+MAX_VMAP_CLIENTS = 500
+
+
+def _variants(cfg: acc.AcceleratorConfig, chunks: list[int]) -> dict[str, Callable[[], Any]]:
+    """Each variant as a zero-argument round from the same server parameters."""
+    import jax
+    import jax.numpy as jnp
+
+    from bridge_mr import jax_core
+
+    program, params, batches, names = acc._round_program(cfg)
+    local = acc._local(cfg, acc.build_model(cfg.model))
+    server = acc._jax_tree(params, cfg.device)
+    data = acc._jax_tree(batches, cfg.device)
+    precision = acc.JAX_PRECISION[cfg.precision]
+
+    def chunked(size: int) -> Callable[..., Any]:
+        def round_(p: Any, d: Any) -> Any:
+            delta = jax_core.map_reduce(
+                lambda s, b: local(s, b)["delta"], p, d, strategy="chunks", chunk_size=size
+            )
+            return jax.tree.map(jnp.add, p, delta)
+
+        return round_
+
+    programs: dict[str, Callable[..., Any]] = {}
+    if cfg.clients <= MAX_VMAP_CLIENTS:
+        programs = {"pure_jax": program, "matmul": jax_core.matmul_convolutions(program)}
+    for size in chunks:
+        if size < cfg.clients:
+            programs[f"matmul:chunks:{size}"] = jax_core.matmul_convolutions(chunked(size))
+
+    def call(fn: Callable[..., Any]) -> Callable[[], Any]:
+        jitted = jax.jit(fn)
+
+        def run() -> Any:
+            with jax.default_matmul_precision(precision):
+                out = jitted(server, data)
+            return [np.asarray(jax.block_until_ready(out)[name]) for name in names]
+
+        return run
+
+    found = {name: call(fn) for name, fn in programs.items()}
+    if cfg.clients <= MAX_VMAP_CLIENTS:  # The torch round.
+        import torch
+
+        torch.set_float32_matmul_precision(cfg.precision)
+        bridge = acc.round_bridge_mr(cfg, "bridge_mr")
+        found["bridge_mr"] = lambda: [t.detach().numpy().copy() for t in bridge()]
+    return found
+
+
+def _error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    scale = max(float(np.max(np.abs(w))) for w in want)
+    return max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True)) / scale
+
+
+def _row(
+    clients: int, precision: str, device: str, reps: int, chunks: list[int], until: float
+) -> list[dict[str, Any]]:
+    cfg = acc.AcceleratorConfig("cnn", clients, device=device, precision=precision)
+    flops = acc.flops(cfg)
+    peak = acc.device_peak(device).get("peak_flop_per_s")
+    calls = _variants(cfg, chunks)
+    results: dict[str, dict[str, Any]] = {}
+    reference: list[np.ndarray] | None = None
+    for name, fn in calls.items():
+        if time.monotonic() > until:
+            break
+        entry: dict[str, Any] = {"row": f"cnn/c{clients}/{precision}", "variant": name}
+        start = time.perf_counter()
+        try:
+            out = fn()
+        except Exception as error:  # Out of memory, mostly: the row says so and goes on.
+            entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            print(json.dumps(entry), flush=True)
+            results[name] = entry
+            continue
+        entry["first_s"] = time.perf_counter() - start
+        if reference is None:
+            reference = out
+        entry["error_vs_first"] = _error(out, reference)
+        entry["times"], entry["load"] = [], []
+        results[name] = entry
+        print(json.dumps(entry), flush=True)
+    running = [n for n, e in results.items() if "first_s" in e]
+    for rep in range(reps):
+        if time.monotonic() > until:
+            break
+        order = running[rep % len(running) :] + running[: rep % len(running)] if running else []
+        for name in order:
+            start = time.perf_counter()
+            calls[name]()
+            results[name]["times"].append(time.perf_counter() - start)
+            results[name]["load"].append(os.getloadavg()[0])
+    rows = []
+    for entry in results.values():
+        if entry.get("times"):
+            median = statistics.median(entry["times"])
+            entry["median_s"] = median
+            entry["tflop_per_s"] = flops / median / 1e12
+            if peak:
+                entry["of_peak"] = flops / median / peak
+            if peak and device == "tpu":
+                entry["of_precision_peak"] = flops / median / (peak / PASSES[precision])
+        entry["flops"] = flops
+        print(json.dumps(entry), flush=True)
+        rows.append(entry)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="tpu", choices=("tpu", "cpu", "cuda"))
+    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS))
+    parser.add_argument("--chunks", nargs="*", type=int, default=[100])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--until", type=float, default=float("inf"))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    until = time.monotonic() + args.until
+    rows: list[dict[str, Any]] = []
+    for spec in args.rows:
+        if time.monotonic() > until:
+            print(json.dumps({"row": spec, "skipped": "past --until"}), flush=True)
+            continue
+        clients, precision = spec.split(":")
+        rows += _row(int(clients), precision, args.device, args.reps, args.chunks, until)
+    lines = [
+        "| row | variant | first call s | median | TFLOP/s | of the peak | of the precision's "
+        "peak (TPU) | vs first variant | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['row']} | {r['variant']} | {r['error'][:60]} | | | | | | |")
+            continue
+        cells = [
+            f"{r.get('first_s', float('nan')):.2f}",
+            f"{r.get('median_s', float('nan')) * 1e3:.1f} ms",
+            f"{r.get('tflop_per_s', float('nan')):.2f}",
+            f"{r.get('of_peak', float('nan')):.1%}",
+            f"{r.get('of_precision_peak', float('nan')):.1%}",
+            f"{r.get('error_vs_first', float('nan')):.1e}",
+            ", ".join(f"{x:.1f}" for x in r.get("load", [])),
+        ]
+        lines.append(f"| {r['row']} | {r['variant']} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
