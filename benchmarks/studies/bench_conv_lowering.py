@@ -14,8 +14,8 @@ the same `jax.default_matmul_precision`). Variants, each from the same server pa
 * "matmul": the same program through `jax_core.matmul_convolutions` (batched matrix products);
 * "matmul:chunks:K": `jax_core.map_reduce(strategy="chunks", chunk_size=K)` of the same client,
   rewritten so (the memory of K clients at a time);
-* "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), what
-  the frontend compiles for the device (on a TPU: with the rewrite).
+* "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), as
+  the frontend compiles it for the device.
 
 Per row: each variant's first call (trace, compile, run) apart, then `--reps` rounds timed
 interleaved (A B C, B C A, ...), with the 1-minute load average per timed round; each variant's
@@ -162,6 +162,10 @@ def _row(
     return rows
 
 
+def _cell(row: dict[str, Any], name: str, form: str, scale: float = 1.0) -> str:
+    return format(row[name] * scale, form) if name in row else "—"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="tpu", choices=("tpu", "cpu", "cuda"))
@@ -189,12 +193,12 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(f"| {r['row']} | {r['variant']} | {r['error'][:60]} | | | | | | |")
             continue
         cells = [
-            f"{r.get('first_s', float('nan')):.2f}",
-            f"{r.get('median_s', float('nan')) * 1e3:.1f} ms",
-            f"{r.get('tflop_per_s', float('nan')):.2f}",
-            f"{r.get('of_peak', float('nan')):.1%}",
-            f"{r.get('of_precision_peak', float('nan')):.1%}",
-            f"{r.get('error_vs_first', float('nan')):.1e}",
+            _cell(r, "first_s", ".2f"),
+            _cell(r, "median_s", ".1f", 1e3) + " ms",
+            _cell(r, "tflop_per_s", ".2f"),
+            _cell(r, "of_peak", ".1%"),
+            _cell(r, "of_precision_peak", ".1%"),
+            _cell(r, "error_vs_first", ".1e"),
             ", ".join(f"{x:.1f}" for x in r.get("load", [])),
         ]
         lines.append(f"| {r['row']} | {r['variant']} | " + " | ".join(cells) + " |")

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import torch
 
-from bridge_mr import _caches, dlpack, jax_core
+from bridge_mr import _caches, dlpack
 from bridge_mr._compat import torch as torch_compat
 
 from . import _decisions, _device, _pick, _reading, _report, settings
@@ -163,11 +163,7 @@ def _decide(
     if not _reading.explicit_placement(placement, mesh):  # Which only vmap supports.
         chunks: list[Option] = [("chunks", k) for k in settings.AUTO_CHUNK_SIZES if k < n]
         options += [("per_client", None), *chunks]
-    # Read as the frontend compiles it: on a TPU, grouped convolutions as matrix products.
-    rewrite = jax_core.matmul_convolutions if device.platform == "tpu" else None
-    costs = {
-        o: _reading.round_cost(kind.program, args, specs, o, bool(grads), rewrite) for o in options
-    }
+    costs = {o: _reading.round_cost(kind.program, args, specs, o, bool(grads)) for o in options}
     budget = _pick.memory_budget(budget, costs, device, kind)
     skipped = _pick.ruled_out(costs, budget, device)
     ranked = _pick.ranked([o for o in options if o not in skipped], costs)

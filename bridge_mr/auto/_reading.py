@@ -75,10 +75,8 @@ def round_cost(
     specs: tuple[PyTree, ...],
     option: Option,
     grads: bool,
-    rewrite: Callable[[Callable[..., PyTree]], Callable[..., PyTree]] | None = None,
 ) -> Cost | None:
-    """The cost model's reading of a candidate's program (None where it does not trace), as
-    `rewrite` (if any) rewrites it for the device.
+    """The cost model's reading of a candidate's program (None where it does not trace).
 
     Only the forward program is traced (differentiating it too took 5x longer on an LSTM
     round); with gradients the estimate scales it: forward and backward are about 3x the
@@ -92,7 +90,7 @@ def round_cost(
         return program(fn, server, clients, weights, reduce, placement, mesh, *option)
 
     try:
-        found = cost(jax.make_jaxpr(forward if rewrite is None else rewrite(forward))(*specs))
+        found = cost(jax.make_jaxpr(forward)(*specs))
     except Exception:  # Bad arguments: the call raises again, with the bridge's message.
         return None
     if not grads:

@@ -1,16 +1,24 @@
-"""Grouped convolutions as batched matrix products: per-client convolutions at the MXU's speed.
+"""Grouped convolutions as batched matrix products: an exact, opt-in lowering, measured.
 
 `jax.vmap` of a convolution whose input and kernel both vary per client (local training from
 per-client weights: every step after the first, and the kernel gradient) becomes one grouped
 convolution, a group per client (`feature_group_count`; a gradient taken outside the vmap
-gives `batch_group_count`). A TPU runs those far below its matrix unit's rate (issue 42: a
-50-client CNN round at 2-4% of a v5e's peak). `matmul_convolutions` rewrites each such
-convolution into its patches and one `dot_general` whose batch dimension is the group: the
-patches are strided slices of the (padded, dilated) input, gathered by whichever of the window
-offsets or the output positions are fewer (the kernel gradient's window is the whole image),
-so they move data only; the product runs at the precision the convolution would have
-(its `precision`, else `jax.default_matmul_precision`) and accumulates as it would. Gradients
-are taken of the rewritten program, so they are matrix products too.
+gives `batch_group_count`). `matmul_convolutions` rewrites each such convolution into its
+patches and one `dot_general` whose batch dimension is the group: the patches are strided
+slices of the (padded, dilated) input, gathered by whichever of the window offsets or the
+output positions are fewer (the kernel gradient's window is the whole image), so they move data
+only; the product runs at the precision the convolution would have (its `precision`, else
+`jax.default_matmul_precision`). Gradients are taken of the rewritten program, so they are
+matrix products too.
+
+Nothing applies it by default, because it measured slower where it was meant to help. On a TPU
+v5e (issue 42; `benchmarks/studies/bench_conv_lowering.py`), the pfl CNN FedAvg round of 50
+clients took 187 ms at "medium" and 325 ms at "highest", against 53 ms and 131 ms for XLA:TPU's
+own grouped convolutions (which its compiler lowers without `feature_group_count`); its patches
+also need more memory (500 clients at "medium": 16.9 GB, where the grouped round fits). On CPU
+it speeds up a vmap of grouped convolutions (1.4 s against 2.0 s a round of 10 clients) but not
+past "per_client" (0.8 s), which `auto` picks there. It stays for JAX programs on backends
+whose grouped convolutions are slow, and as the lowering the issue 42 rows compare against.
 
 A convolution stays as it is where the rewrite would not pay: ungrouped ones (a shared kernel
 or a shared input, which vmap folds into the batch or the features), per-group products too
@@ -48,12 +56,13 @@ MIN_GROUP_WIDTH = 8
 def matmul_convolutions(fn: F) -> F:
     """`fn` with its grouped convolutions as batched matrix products (see the module).
 
-    The torch frontend applies it to every round it compiles for a TPU; apply it yourself to a
-    JAX function that vmaps convolutions over per-client weights (local training of a CNN,
-    say). Each call traces `fn` (under whatever transformation the call is under), rewrites
-    the jaxpr (sub-jaxprs too: scans of local steps, loops, conditionals, checkpoints) and
-    evaluates it: the same outputs and pytrees as `fn`, differentiable and batchable as usual,
-    its values those of the grouped convolutions up to the order of the float sums.
+    Opt-in (the module says where it measured faster and slower): apply it to a JAX function
+    that vmaps convolutions over per-client weights (local training of a CNN, say), and time
+    it against the function as it is on your device. Each call traces `fn` (under whatever
+    transformation the call is under), rewrites the jaxpr (sub-jaxprs too: scans of local
+    steps, loops, conditionals, checkpoints) and evaluates it: the same outputs and pytrees
+    as `fn`, differentiable and batchable as usual, its values those of the grouped
+    convolutions up to the order of the float sums.
 
     Args:
       fn: a JAX function of positional arguments (pytrees of arrays).

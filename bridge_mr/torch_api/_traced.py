@@ -306,17 +306,12 @@ def _on_device(spec: CallSpec, program: F) -> F:
     without YNNPACK's reduce fusion (`jax_core.cpu_program`; its options:
     `jax_core.cpu_compiler_options`). On an accelerator (CUDA tensors, or CPU tensors whose
     program runs on one), float32 matrix products and convolutions at the precision torch's
-    `torch.get_float32_matmul_precision()` sets (`matmul_precision`); on a TPU, grouped
-    convolutions (vmap over per-client kernels) as batched matrix products
-    (`jax_core.matmul_convolutions`), which its matrix unit runs many times faster.
-    torch-xla: as traced.
+    `torch.get_float32_matmul_precision()` sets (`matmul_precision`). torch-xla: as traced.
     """
     if spec.device_type == "cpu" and spec.program_device is None:
         return jax_core.cpu_program(program)
     if spec.device_type == "xla":
         return program
-    if _platform(spec) == "tpu":
-        program = jax_core.matmul_convolutions(program)
     precision = matmul_precision()
 
     def at_torch_precision(*args: Any) -> Any:
@@ -324,15 +319,6 @@ def _on_device(spec: CallSpec, program: F) -> F:
             return program(*args)
 
     return cast(F, at_torch_precision)
-
-
-def _platform(spec: CallSpec) -> str:
-    """The JAX platform `spec`'s programs run on ("cpu", "gpu", "tpu", ...)."""
-    if spec.program_device is not None:
-        return spec.program_device.platform
-    if spec.mesh is not None:
-        return spec.mesh.devices.flat[0].platform
-    return "gpu" if spec.device_type == "cuda" else spec.device_type
 
 
 def _shape_structs(avals: Sequence[Aval], sharding: Any = None) -> list[jax.ShapeDtypeStruct]:

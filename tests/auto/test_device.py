@@ -20,7 +20,6 @@ from bridge_mr.auto import _device, settings
 
 H200 = auto.DeviceDescription("gpu", "NVIDIA H200", 150_000_000_000)
 SMALL_CPU = auto.DeviceDescription("cpu", "cpu", 64 * 2**30)
-V5E = auto.DeviceDescription("tpu", "TPU v5 lite", 16 * 2**30)
 _keys = itertools.count()
 
 
@@ -96,20 +95,6 @@ def test_a_gpu_keeps_vmaps_grouped_convolutions_up_to_its_bound(
     assert ruled == ruled_out
     by_option = {(c.strategy, c.chunk_size): c for c in choice.candidates}
     assert all("AUTO_GPU_MAX_CONV_GROUPS" in by_option[o].skipped for o in ruled_out)
-
-
-def test_a_tpu_reads_grouped_convolutions_as_the_matrix_products_it_runs(monkeypatch):
-    # On a TPU the frontend compiles grouped convolutions wide enough for the matrix unit as
-    # batched products (jax_core.matmul_convolutions): auto reads that program, in which vmap
-    # over 500 clients groups nothing, where a GPU (grouped) takes chunks of 16.
-    server, clients = torch.zeros(8, 3, 3, 3), {"x": torch.zeros(500, 2, 2, 3, 8, 8)}
-    assert _choose(_local_conv_steps, server, clients, H200, monkeypatch) == ("chunks", 16)
-    assert _choose(_local_conv_steps, server, clients, V5E, monkeypatch) == ("vmap", None)
-    choice = auto.map_reduce_choices()[-1]
-    assert not [c for c in choice.candidates if "ruled out" in c.skipped]
-    # Too narrow to be rewritten (4 output channels): grouped there too, and bounded as on a GPU.
-    narrow = torch.zeros(4, 3, 3, 3)
-    assert _choose(_local_conv_steps, narrow, clients, V5E, monkeypatch) == ("chunks", 16)
 
 
 @pytest.mark.parametrize("clients", [50, 500])
