@@ -13,7 +13,8 @@
 #   cache     the on-disk compile cache: the CNN round's first round in a fresh process twice
 #   convs     issue 42's rows: the CNN round's per-client convolutions grouped or as matrix
 #             products, 50 / 500 / 2000 clients, medium and highest, in one process
-#             (benchmarks/studies/bench_conv_lowering.py; $CONVS_S seconds, default 330)
+#             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
+#             $CONVS_S seconds, default 330; $CONVS_ROWS: other rows, e.g. "50:medium 500:medium")
 #   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds, as they come
 #
 # Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
@@ -64,7 +65,8 @@ convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows s
   local limit=${CONVS_S:-330}
   echo "tpu_bench: convs: python -m benchmarks.studies.bench_conv_lowering --until $((limit - 30))"
   timeout -k 10 "$limit" python3 -m benchmarks.studies.bench_conv_lowering --device tpu \
-    --until $((limit - 30)) --out "$OUT/bench_convs.md" 2>&1 | tee "$OUT/bench_convs.txt"
+    --until $((limit - 30)) --profile ${CONVS_ROWS:+--rows $CONVS_ROWS} \
+    --out "$OUT/bench_convs.md" 2>&1 | tee "$OUT/bench_convs.txt"
   local code=${PIPESTATUS[0]}
   [ "$code" -eq 0 ] || { echo "tpu_bench: convs exited $code"; status=1; }
 }

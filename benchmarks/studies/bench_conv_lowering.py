@@ -2,7 +2,7 @@
 process, on the chip (or the CPU).
 
     python -m benchmarks.studies.bench_conv_lowering [--device tpu] [--rows 50:highest ...]
-        [--reps N] [--until SECONDS] [--out FILE]
+        [--reps N] [--until SECONDS] [--out FILE] [--profile]
 
 The round is the "accelerator" case's CNN row (pfl-research's CIFAR10 simple_cnn, 5 local SGD
 steps of 10 images per client, `from_torch` + `local_training`; `workloads.accelerator`). A row
@@ -23,6 +23,9 @@ result against the first variant's that ran (pure JAX's unless it ran out of mem
 |difference| / max |value|); achieved FLOP/s (the vmap program's
 operations, `auto.cost`) against the device's peak (`device_peak`: a TPU's bf16 rate) and, on
 a TPU, against the precision's (a float32 product at "highest" takes 6 bf16 passes, "high" 3).
+With `--profile`, each variant's round runs once more under `jax.profiler.trace`, and the
+device's "XLA Ops" events are summed by op (the `TOP_OPS` longest, with their HLO category and
+the start of their HLO text where the trace has them): where a round's time goes on the chip.
 A variant that runs out of memory says so. Rows run in the order given while `--until` seconds
 (since start) have not passed. Each result is printed as a JSON line as it comes (so that a
 cut-off run keeps what it measured), then a table.
@@ -52,6 +55,8 @@ DEFAULT_ROWS = ("50:medium", "500:medium", "500:highest", "50:highest", "2000:me
 #: Above this many clients the vmap forms (pure JAX, matmul) and the torch round are not run:
 #: a v5e's 16 GB do not hold pure JAX's vmap of 500 clients at "highest" (19.2 GB).
 MAX_VMAP_CLIENTS = 500
+#: With --profile: how many ops (the longest in total) each variant's summary lists.
+TOP_OPS = 12
 
 
 def _variants(cfg: acc.AcceleratorConfig, chunks: list[int]) -> dict[str, Callable[[], Any]]:
@@ -108,8 +113,51 @@ def _error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True)) / scale
 
 
+def device_ops(fn: Callable[[], Any]) -> dict[str, Any]:
+    """One call of `fn` under `jax.profiler.trace`: its device ops' time, summed by op name.
+
+    Returns {"device_us": total, "ops": [[name, us, count, category, hlo], ...]} with the
+    `TOP_OPS` longest, or {"device_us": 0, "ops": []} where the trace has no device plane (on
+    CPU, XLA's work is on host threads instead).
+    """
+    import glob
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            fn()
+        (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+        totals: dict[str, list[Any]] = {}
+        for plane in data.planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                if line.name != "XLA Ops":
+                    continue
+                for event in line.events:
+                    stats = dict(event.stats)
+                    entry = totals.setdefault(
+                        event.name,
+                        [event.name, 0.0, 0, str(stats.get("hlo_category", "")),
+                         str(stats.get("long_name", ""))[:160]],
+                    )  # fmt: skip
+                    entry[1] += event.duration_ns / 1e3
+                    entry[2] += 1
+    ops = sorted(totals.values(), key=lambda e: -e[1])
+    return {"device_us": sum(e[1] for e in ops), "ops": ops[:TOP_OPS]}
+
+
 def _row(
-    clients: int, precision: str, device: str, reps: int, chunks: list[int], until: float
+    clients: int,
+    precision: str,
+    device: str,
+    reps: int,
+    chunks: list[int],
+    until: float,
+    profile: bool,
 ) -> list[dict[str, Any]]:
     cfg = acc.AcceleratorConfig("cnn", clients, device=device, precision=precision)
     flops = acc.flops(cfg)
@@ -146,6 +194,14 @@ def _row(
             calls[name]()
             results[name]["times"].append(time.perf_counter() - start)
             results[name]["load"].append(os.getloadavg()[0])
+    for name in running if profile else []:
+        if time.monotonic() > until:
+            break
+        try:
+            found = device_ops(calls[name])
+        except Exception as error:  # A profile that fails leaves the row's times as they are.
+            found = {"error": f"{type(error).__name__}: {error}"[:200]}
+        print(json.dumps({"row": f"cnn/c{clients}/{precision}", "variant": name, **found}))
     rows = []
     for entry in results.values():
         if entry.get("times"):
@@ -174,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--until", type=float, default=float("inf"))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="device ops of one round each")
     args = parser.parse_args(argv)
     until = time.monotonic() + args.until
     rows: list[dict[str, Any]] = []
@@ -182,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"row": spec, "skipped": "past --until"}), flush=True)
             continue
         clients, precision = spec.split(":")
-        rows += _row(int(clients), precision, args.device, args.reps, args.chunks, until)
+        rows += _row(
+            int(clients), precision, args.device, args.reps, args.chunks, until, args.profile
+        )
     lines = [
         "| row | variant | first call s | median | TFLOP/s | of the peak | of the precision's "
         "peak (TPU) | vs first variant | load |",
