@@ -37,3 +37,31 @@ def test_bench_zoo_times_a_model_against_torch_eager(capsys: pytest.CaptureFixtu
 def test_bench_zoo_refuses_an_unknown_model() -> None:
     with pytest.raises(SystemExit):
         benchmark("studies.bench_zoo").main(["no_such_model"])
+
+
+def test_bench_conv_lowering_times_each_lowering_from_the_same_server(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    study = benchmark("studies.bench_conv_lowering")
+    study.main(["--device", "cpu", "--rows", "2:medium", "--reps", "1", "--chunks", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| cnn/c2/medium |")]
+    variants = [row.split("|")[2].strip() for row in rows]
+    assert variants == ["pure_jax", "matmul", "matmul:chunks:1", "bridge_mr"], out
+    for row in rows:  # Each variant's round against pure JAX's, from the same parameters.
+        assert float(row.split("|")[8]) < 1e-5, row
+    timed = [json.loads(line) for line in out.splitlines() if '"median_s"' in line]
+    assert [r["variant"] for r in timed] == variants
+    assert all(r["median_s"] > 0 and r["flops"] > 0 for r in timed)
+
+
+def test_bench_conv_lowering_reads_a_trace_without_a_device_plane_as_no_device_ops() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    study = benchmark("studies.bench_conv_lowering")
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    # On CPU, XLA's work runs on host threads: the trace has no "/device:" plane to sum.
+    assert study.device_ops(lambda: f(x).block_until_ready()) == {"device_us": 0, "ops": []}
