@@ -100,11 +100,20 @@ def _variants(cfg: acc.AcceleratorConfig, chunks: list[int]) -> dict[str, Callab
 
     found = {name: call(fn) for name, fn in programs.items()}
     if cfg.clients <= MAX_VMAP_CLIENTS:  # The torch round.
-        import torch
-
-        torch.set_float32_matmul_precision(cfg.precision)
         bridge = acc.round_bridge_mr(cfg, "bridge_mr")
-        found["bridge_mr"] = lambda: [t.detach().numpy().copy() for t in bridge()]
+
+        def torch_round() -> list[np.ndarray]:
+            import torch
+
+            # At the row's precision, torch's process-wide setting restored after each round.
+            before = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(cfg.precision)
+            try:
+                return [t.detach().numpy().copy() for t in bridge()]
+            finally:
+                torch.set_float32_matmul_precision(before)
+
+        found["bridge_mr"] = torch_round
     return found
 
 
