@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core
 from jax.extend.core.primitives import conv_general_dilated_p
@@ -97,7 +98,8 @@ def grouped_as_matmul(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
     avals: list[Any] = [atom.aval for atom in eqn.invars]
     if params.get("out_sharding") is not None or any(map(sharded, avals)):
         return None  # The shardings in the types would need the same reshapes.
-    if not _pays([tuple(a.shape) for a in avals], params):
+    out: Any = eqn.outvars[0].aval
+    if not _pays(tuple(avals[1].shape), tuple(out.shape), params):
         return None
     return equations(lambda lhs, rhs: grouped_convolution(lhs, rhs, **params), eqn)
 
@@ -147,24 +149,18 @@ def grouped_convolution(
         preferred_element_type=preferred_element_type,
     )
     out = product.transpose(1, 0, 3, 2).reshape(product.shape[1], o, *out_sizes)
-    return lax.transpose(out, tuple(int(i) for i in _inverse(out_spec)))
+    return lax.transpose(out, tuple(int(i) for i in np.argsort(out_spec)))
 
 
-def _pays(shapes: Sequence[tuple[int, ...]], params: dict[str, Any]) -> bool:
-    """Whether a convolution of these operand shapes and params is grouped, wide enough per
-    group for a matrix unit, and gathered in at most `MAX_PATCH_SLICES` slices."""
+def _pays(rhs: tuple[int, ...], out: tuple[int, ...], params: dict[str, Any]) -> bool:
+    """Whether a convolution of this kernel shape, output shape and params is grouped, wide
+    enough per group for a matrix unit, and gathered in at most `MAX_PATCH_SLICES` slices."""
     groups_f, groups_b = params["feature_group_count"], params["batch_group_count"]
     if groups_f == groups_b == 1:
         return False
-    lhs_spec, rhs_spec, _ = params["dimension_numbers"]
-    lhs, rhs = shapes
-    spatial = []
-    for i, d in enumerate(lhs_spec[2:]):
-        lo, hi = params["padding"][i]
-        size = (lhs[d] - 1) * params["lhs_dilation"][i] + 1 + lo + hi if lhs[d] else 0
-        spatial.append(size)
+    _, rhs_spec, out_spec = params["dimension_numbers"]
     window = [rhs[d] for d in rhs_spec[2:]]
-    outs = _out_sizes(spatial, window, params["window_strides"], params["rhs_dilation"])
+    outs = [out[d] for d in out_spec[2:]]
     if min(outs, default=1) <= 0:
         return False
     out_per_group = rhs[rhs_spec[0]] // (groups_f * groups_b)
@@ -205,11 +201,3 @@ def _patches(
     # By offset: (N, C, K, outs...); by position: (N, C, window..., P).
     stacked = jnp.stack(parts, axis=2 if by_offset else -1)
     return stacked.reshape(n, c, math.prod(window), math.prod(outs))
-
-
-def _inverse(spec: Sequence[int]) -> list[int]:
-    """The permutation that takes (batch, feature, spatial...) back to `spec`'s layout."""
-    inverse = [0] * len(spec)
-    for position, dim in enumerate(spec):
-        inverse[dim] = position
-    return inverse
