@@ -70,3 +70,22 @@ def test_bench_conv_lowering_reads_a_trace_without_a_device_plane_as_no_device_o
     f(x).block_until_ready()
     # On CPU, XLA's work runs on host threads: the trace has no "/device:" plane to sum.
     assert study.device_ops(lambda: f(x).block_until_ready()) == {"device_us": 0, "ops": []}
+
+
+def test_profile_call_times_the_tiny_call_beside_pure_jax_and_profiles_it(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    study = benchmark("studies.profile_call")
+    study.main(["--calls", "3", "--reps", "2", "--top", "5", "--precision", "medium"])
+    out = capsys.readouterr().out
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    medians = {e["name"]: e for e in events if e["event"] == "median"}
+    assert set(medians) == {"bridge_mr", "pure_jax", "pure_jax_transfers"}
+    assert medians["pure_jax_transfers"]["over_pure_jax_transfers_us"] == 0
+    assert all(e["us"] > 0 for e in events if e["event"] == "rep")
+    assert "cProfile of 3 calls" in out
+    assert "Ordered by: internal time" in out
+    assert torch.get_float32_matmul_precision() == before
