@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ def specs(args: tuple[Any, ...], across_processes: bool) -> tuple[PyTree, PyTree
     layout = mesh if across_processes and isinstance(mesh, distributed.Layout) else None
 
     def as_spec(path: Any, leaf: Any, arg: str, per_rank: bool) -> Any:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)  # An input already on device.
         if not isinstance(leaf, torch.Tensor):
             return leaf
         where = f"map_reduce: argument {arg}{jax.tree_util.keystr(path)}"

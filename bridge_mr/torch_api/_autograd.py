@@ -61,7 +61,7 @@ class Backward:
         cotangents = [grad_outputs[i] for i in traced.outputs.float_outputs]
         if torch.is_grad_enabled() or call.saved is None:
             call.check_versions()
-            grads = self.vjp()(list(call.tensors), cotangents)
+            grads = self.vjp()(list(call.tensors), cotangents, list(call.arrays))
         elif traced.outputs.fused:
             # Keeping no reference lets AccumulateGrad adopt the gradients as .grad uncopied.
             grads, call.saved = call.saved, None
@@ -89,8 +89,11 @@ class Backward:
                     )
         return self._vjp
 
-    def jvp(self, primals: Sequence[torch.Tensor], tangents: Sequence[Any]) -> list[Any]:
-        """Tangents of the outputs (None for non-float ones) given tangents of the inputs."""
+    def jvp(
+        self, primals: Sequence[torch.Tensor], tangents: Sequence[Any], arrays: Sequence[Any]
+    ) -> list[Any]:
+        """Tangents of the outputs (None for non-float ones) given tangents of the inputs
+        (`arrays`: the call's JAX array inputs)."""
         traced = self._traced
         in_avals = traced.spec.in_avals
         positions = tuple(
@@ -104,7 +107,7 @@ class Backward:
                     self._jvp = self._make_function(
                         jvp_from_inputs(traced), f"the JVP of {traced.spec.name}"
                     )
-        out = iter(self._jvp(list(primals), given, positions))
+        out = iter(self._jvp(list(primals), given, positions, list(arrays)))
         floats = frozenset(traced.outputs.float_outputs)
         return [next(out) if i in floats else None for i in range(traced.outputs.n_out)]
 
@@ -128,23 +131,27 @@ class Entry:
     backward: Backward
 
 
-def run(entry: Entry, tensors: list[torch.Tensor]) -> Any:
-    """Runs a call of `entry` on its tensors; its outputs in the traced function's structure."""
-    outputs = apply(entry, tensors)
+def run(entry: Entry, tensors: list[torch.Tensor], arrays: Sequence[Any] = ()) -> Any:
+    """Runs a call of `entry` on its tensors (and JAX array inputs); its outputs in the traced
+    function's structure."""
+    outputs = apply(entry, tensors, arrays)
     found = entry.traced.outputs
     if found.is_leaf:
         return outputs[0]
     return jax.tree_util.tree_unflatten(found.tree, outputs)
 
 
-def apply(entry: Entry, tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:
-    """Runs one call: through the autograd node when an input needs gradients, else directly."""
+def apply(
+    entry: Entry, tensors: list[torch.Tensor], arrays: Sequence[Any] = ()
+) -> Sequence[torch.Tensor]:
+    """Runs one call: through the autograd node when an input needs gradients, else directly.
+    `arrays`: the call's JAX array inputs, passed to its programs as they are."""
     if torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active():
         # torch.func transforms and forward-mode AD (dual tensors) need the Python apply.
-        return JaxCall.apply(_Call(entry, tensors, forward_mode=True), *tensors)
+        return JaxCall.apply(_Call(entry, tensors, arrays, forward_mode=True), *tensors)
     if entry.traced.spec.diff:
-        return _apply(_Call(entry, tensors), *tensors)
-    outputs, _ = entry.forward(tensors, ())
+        return _apply(_Call(entry, tensors, arrays), *tensors)
+    outputs, _ = entry.forward(tensors, arrays)
     return outputs
 
 
@@ -186,16 +193,22 @@ def scatter(diff: tuple[int, ...], grads: Sequence[Any], n: int) -> list[Any]:
 class _Call:
     """One differentiable call: its entry, inputs, and what backward needs from forward."""
 
-    __slots__ = ("entry", "forward_mode", "saved", "tensors", "versions")
+    __slots__ = ("arrays", "entry", "forward_mode", "saved", "tensors", "versions")
 
     def __init__(
-        self, entry: Entry, tensors: list[torch.Tensor], *, forward_mode: bool = False
+        self,
+        entry: Entry,
+        tensors: list[torch.Tensor],
+        arrays: Sequence[Any] = (),
+        *,
+        forward_mode: bool = False,
     ) -> None:
         # Only the Python apply (torch.func, forward-mode AD) may need primals for jvp: saving
         # them costs every other differentiable call a little.
         self.forward_mode = forward_mode
         self.entry = entry
         self.tensors = tensors
+        self.arrays = arrays  # JAX arrays: immutable, nothing to check.
         self.versions = list(map(torch_compat.version_of, tensors))
         self.saved: list[Any] | None = []
 
@@ -222,7 +235,7 @@ class JaxCall(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         entry = call.entry
-        exported, carried = entry.forward(tensors, ())
+        exported, carried = entry.forward(tensors, call.arrays)
         n = entry.traced.outputs.n_out
         call.saved = exported[n:] if entry.traced.outputs.fused else carried
         return tuple(exported[:n])
@@ -245,7 +258,8 @@ class JaxCall(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *grad_inputs: torch.Tensor | None) -> tuple[Any, ...]:
         # One tangent per forward input: the first is the call state's (None).
-        return tuple(ctx.call.entry.backward.jvp(ctx.saved_tensors, grad_inputs[1:]))
+        call = ctx.call
+        return tuple(call.entry.backward.jvp(ctx.saved_tensors, grad_inputs[1:], call.arrays))
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:

@@ -21,7 +21,7 @@ import torch
 from bridge_mr import _caches
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr._dtypes import Aval
-from bridge_mr.dlpack import host_program_device, tensor_avals
+from bridge_mr.dlpack import tensor_avals
 from bridge_mr.typing import PyTree
 
 from . import _custom_op, _keys, _signature
@@ -224,31 +224,38 @@ class TorchFunction:
 
     def _lookup(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Entry, list[torch.Tensor]] | None:
-        """The entry of a call's signature (traced on a miss) and the call's tensors, in order;
-        None for a call with no tensor of a `passthrough_jax` function (a plain JAX call).
+    ) -> tuple[Entry, list[torch.Tensor], list[jax.Array]] | None:
+        """The entry of a call's signature (traced on a miss), the call's tensors and its JAX
+        array inputs, each in order; None for a call with no tensor of a `passthrough_jax`
+        function (a plain JAX call).
 
         Raises:
           TypeError: the arguments cannot be flattened, or a static leaf is not hashable, or a
-            tensor cannot be passed to JAX (the message names it).
+            tensor or JAX array cannot be passed to the program (the message names it).
         """
         try:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         except (TypeError, ValueError) as err:
             raise _signature.flatten_error(repr(self), self.arg_names, args, kwargs) from err
         grad = torch.is_grad_enabled()
-        key, tensors = _keys.call_key(leaves, treedef, grad)
-        if not tensors and self._passthrough_jax:
-            return None
+        key, tensors, arrays = _keys.call_key(leaves, treedef, grad)
+        if not tensors:
+            if self._passthrough_jax:
+                return None
+            if arrays:
+                raise _signature.arrays_error(
+                    repr(self), self.arg_names, treedef, leaves, "a torch function needs torch "
+                    "tensors, and this call has none.", "Call the JAX function directly on JAX "
+                    "arrays, or pass torch tensors.")  # fmt: skip
         try:
             entry = self._entries.get(key)
         except TypeError:
             raise _signature.static_error(
-                repr(self), self.arg_names, treedef, _signature.statics(leaves), tensors
+                repr(self), self.arg_names, treedef, _signature.statics(leaves)
             ) from None
         if entry is None:
             entry = self._entry(key, treedef, leaves, tensors, grad)
-        return entry, tensors
+        return entry, tensors, arrays
 
     def _remember(self, key: Any, entry: Entry, *, by_identity: bool) -> None:
         """Keeps `entry` in `_hits` under a caller's own `key` (hashable), within the bounds
@@ -274,6 +281,10 @@ class TorchFunction:
             statics = _signature.statics(leaves)
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
             spec = self._spec(treedef, statics, tensors, diff)
+            if spec.array_avals:
+                _signature.check_arrays(spec.name, self.arg_names, spec.treedef, leaves,
+                                        spec.device_type, spec.mesh, spec.layout,
+                                        spec.program_device)  # fmt: skip
             entry = self._new_entry(trace(spec, self._counter))
             _keep(self._entries, self._identity_keys if identities else None, key, entry)
             return entry
@@ -308,6 +319,9 @@ class TorchFunction:
                 raise _signature.complex_grad_error(name, where[i])
         device_type = tensors[0].device.type if tensors else "cpu"
         mesh = _signature.mesh_of(statics)
+        array_avals = tuple(
+            (s.shape, s.dtype) for s in statics if isinstance(s, _signature.ArraySlot)
+        )
         return CallSpec(
             fn=self._jax_fn,
             name=name,
@@ -319,7 +333,8 @@ class TorchFunction:
             mesh=mesh,
             layout=layout,
             per_rank=per_rank,
-            program_device=_program_device(device_type, mesh, layout),
+            program_device=_signature.program_device(device_type, mesh, layout),
+            array_avals=array_avals,
         )
 
     def _tensor_names(self, treedef: Any, statics: tuple[Any, ...]) -> list[str]:
@@ -366,7 +381,7 @@ class TorchFunction:
             diff=diff,
             device_type=device_type,
             mesh=mesh,
-            program_device=_program_device(device_type, mesh, None),
+            program_device=_signature.program_device(device_type, mesh, None),
         )
         return trace(spec, self._counter)
 
@@ -480,12 +495,3 @@ def torch_function(jax_fn: JaxFunction, *, compilable: bool = False) -> TorchFun
       >>> loss(w, torch.randn(8, 3)).backward()  # w.grad holds the JAX gradient
     """
     return TorchFunction(jax_fn, compilable=compilable)
-
-
-def _program_device(device_type: str, mesh: Any, layout: Any) -> Any:
-    """Where a program of CPU tensors runs when that is an accelerator (JAX's default device:
-    `dlpack.host_program_device`); None where it runs where its tensors are, or over `mesh`'s
-    devices or every process's (`layout`)."""
-    if device_type != "cpu" or mesh is not None or layout is not None:
-        return None
-    return host_program_device()

@@ -6,7 +6,8 @@ device, ...) and torch's float32 matmul precision, which governs programs on an 
 Three keys hold it:
 
 * `call_key`: the full compile key of a `TorchFunction` call (tree structure, each static
-  value's key, each tensor's type, shape, dtype, device, layout and `requires_grad`, grad mode);
+  value's key, each tensor's type, shape, dtype, device, layout and `requires_grad`, each JAX
+  array input's shape, dtype and sharding, grad mode);
 * `cached_key`: `map_reduce`'s cheaper key of a repeated call (plain tensors only; its options
   as given), under which it keeps the entry the full path found;
 * `trace_key`: the key under which a client function's trace is replayed (`_round`).
@@ -26,6 +27,7 @@ from bridge_mr import jax_core
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch as torch_compat
 
+from ._signature import array_key, is_array
 from ._static import FUNCTION_TYPES, FunctionIdentity, function_key, static_key
 
 
@@ -60,10 +62,12 @@ def matmul_precision() -> str:
 
 def call_key(
     leaves: Sequence[Any], treedef: Any, grad: bool
-) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
-    """The compile key of a call with these flattened leaves, and its tensors in order."""
+) -> tuple[tuple[Any, ...], list[torch.Tensor], list[jax.Array]]:
+    """The compile key of a call with these flattened leaves, its tensors and its JAX array
+    inputs (`_signature.ArraySlot`), each in order."""
     tensors: list[torch.Tensor] = []
-    # A tensor's signature stands where the tensor sat; a static value's key where it did.
+    arrays: list[jax.Array] = []
+    # A tensor's or array's signature stands where it sat; a static value's key where it did.
     parts = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -71,9 +75,12 @@ def call_key(
             parts.append(
                 (type(leaf), leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
             )
+        elif is_array(leaf):
+            arrays.append(leaf)
+            parts.append(array_key(leaf))
         else:
             parts.append(static_key(leaf))
-    return (treedef, tuple(parts), grad, context()), tensors
+    return (treedef, tuple(parts), grad, context()), tensors, arrays
 
 
 def function_identities(key: tuple[Any, ...]) -> list[FunctionIdentity]:

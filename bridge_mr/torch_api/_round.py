@@ -88,7 +88,7 @@ def auto_option(
         return "vmap", None
     try:
         leaves, treedef = jax.tree_util.tree_flatten((args, budget))
-        key, tensors = call_key(leaves, treedef, torch.is_grad_enabled())
+        key, tensors, _ = call_key(leaves, treedef, torch.is_grad_enabled())
         hash(key)
     except (TypeError, ValueError):
         return "vmap", None

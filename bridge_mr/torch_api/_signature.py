@@ -4,16 +4,19 @@ them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 import torch
 from jax.sharding import Mesh
 
 from bridge_mr import distributed, jax_core
 from bridge_mr._compat import torch as torch_compat
+from bridge_mr.dlpack import host_device, host_program_device
 
 _DEVICE_TYPES = ("cpu", "cuda", "xla")
 
@@ -31,9 +34,36 @@ class _TensorSlot:
 TENSOR = _TensorSlot()
 
 
+@dataclasses.dataclass(frozen=True)
+class ArraySlot:
+    """Marks where a JAX array sat among a call's leaves: an input that is already where the
+    program runs (data on the chip, say), passed to it as it is and not differentiated."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def is_array(leaf: Any) -> bool:
+    """Whether `leaf` is a concrete JAX array (an input of its own, `ArraySlot`)."""
+    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+
+def array_key(leaf: jax.Array) -> tuple[Any, ...]:
+    """What a call's key holds of a JAX array input: its type, shape, dtype and sharding."""
+    return (jax.Array, leaf.shape, leaf.dtype, leaf.sharding)
+
+
 def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:
-    """A call's leaves with each tensor replaced by `TENSOR`."""
-    return tuple(TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+    """A call's leaves with each tensor replaced by `TENSOR`, each JAX array by its
+    `ArraySlot`."""
+    return tuple(
+        TENSOR
+        if isinstance(leaf, torch.Tensor)
+        else ArraySlot(tuple(leaf.shape), np.dtype(leaf.dtype))
+        if is_array(leaf)
+        else leaf
+        for leaf in leaves
+    )
 
 
 def layout_of(static_leaves: Sequence[Any]) -> distributed.Layout | None:
@@ -159,25 +189,16 @@ def device_error(name: str, tensors: Sequence[torch.Tensor], where: Sequence[str
 
 
 def static_error(
-    name: str,
-    arg_names: Sequence[str],
-    treedef: Any,
-    static_leaves: Sequence[Any],
-    tensors: Sequence[torch.Tensor],
+    name: str, arg_names: Sequence[str], treedef: Any, static_leaves: Sequence[Any]
 ) -> Exception:
-    """The error for a call whose static leaves cannot be keyed (unhashable, arrays)."""
+    """The error for a call whose static leaves cannot be keyed (unhashable, tracers)."""
     paths = leaf_paths(treedef, arg_names)
     for path, leaf in zip(paths, static_leaves, strict=True):
-        if isinstance(leaf, jax.Array):
-            if tensors:
-                return TypeError(
-                    f"{name} got torch tensors and JAX arrays in one call ({path} is a "
-                    f"jax.Array of shape {leaf.shape}). Pass torch tensors only (convert with "
-                    "bridge_mr.dlpack.to_torch), or call the JAX function directly on JAX arrays."
-                )
+        if isinstance(leaf, jax.Array):  # A tracer: concrete arrays are inputs (`ArraySlot`).
             return TypeError(
-                f"{name} got a jax.Array at {path} but no torch tensors: it is a torch "
-                "function. Call the JAX function directly on JAX arrays, or pass torch tensors."
+                f"{name} got a JAX tracer at {path} (of shape {leaf.shape}): it was called "
+                "inside a JAX transformation (jax.jit, jax.grad, jax.vmap, ...), which cannot "
+                "trace a torch function. Call the JAX function itself there."
             )
         if isinstance(leaf, np.ndarray):
             return TypeError(
@@ -193,3 +214,56 @@ def static_error(
                 "must be hashable; pass a tensor, or a hashable value such as a tuple."
             )
     return TypeError(f"{name}: the call's static arguments are not hashable.")
+
+
+def arrays_error(name: str, arg_names: Sequence[str], treedef: Any, leaves: Sequence[Any],
+                 problem: str, fix: str, index: int | None = None) -> TypeError:  # fmt: skip
+    """The error for a call's JAX array inputs that cannot run (`problem`, `fix`), naming the
+    leaf at `index` (default: the first JAX array)."""
+    paths = leaf_paths(treedef, arg_names)
+    if index is None:
+        index = next(i for i, leaf in enumerate(leaves) if is_array(leaf))
+    path, leaf = paths[index], leaves[index]
+    return TypeError(
+        f"{name} got a jax.Array at {path} (shape {tuple(leaf.shape)}, {leaf.dtype}, on "
+        f"{', '.join(str(d) for d in leaf.devices())}): {problem} {fix}"
+    )
+
+
+def program_device(device_type: str, mesh: Any, layout: Any) -> Any:
+    """Where a program of CPU tensors runs when that is an accelerator (JAX's default device:
+    `dlpack.host_program_device`); None where it runs where its tensors are, or over `mesh`'s
+    devices or every process's (`layout`)."""
+    if device_type != "cpu" or mesh is not None or layout is not None:
+        return None
+    return host_program_device()
+
+
+def check_arrays(name: str, arg_names: Sequence[str], treedef: Any, leaves: Sequence[Any],
+                 device_type: str, mesh: Any, layout: Any, on: Any) -> None:  # fmt: skip
+    """Raises unless a call's JAX array inputs can go to its program as they are: CPU tensors
+    on one process, no mesh, every array on the device the program runs on (`on`, the program
+    device, or None: the CPU)."""
+    device = on if on is not None else host_device()
+    if device_type != "cpu" or mesh is not None or layout is not None:
+        where = (
+            f"{device_type} tensors" if device_type != "cpu"
+            else "a mesh" if mesh is not None else "several processes"
+        )  # fmt: skip
+        problem = (
+            "JAX array inputs run with CPU tensors whose program runs on one device (the CPU "
+            f"or JAX's default accelerator), not with {where}."
+        )
+        fix = (
+            "Pass this input as a torch tensor on the call's device (on CUDA it crosses "
+            "without a copy), or convert it with bridge_mr.dlpack.to_torch."
+        )
+        raise arrays_error(name, arg_names, treedef, leaves, problem, fix)
+    for index, leaf in enumerate(leaves):
+        if is_array(leaf) and leaf.devices() != {device}:
+            problem = (
+                f"this call's program runs on {device}, and a JAX array input must already be "
+                "there (it is passed to the program as it is, never moved)."
+            )
+            fix = f"Put it there once: jax.device_put(x, {device!r})."
+            raise arrays_error(name, arg_names, treedef, leaves, problem, fix, index)

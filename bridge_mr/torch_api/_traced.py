@@ -30,7 +30,7 @@ from bridge_mr._dtypes import Aval, is_differentiable, torch_dtype
 from bridge_mr.typing import PyTree
 
 from ._keys import matmul_precision
-from ._signature import TENSOR
+from ._signature import TENSOR, ArraySlot
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,7 +63,9 @@ class CallSpec:
     the agreed layout of the ranks' clients, `in_avals` are global shapes, and `per_rank` says
     which tensors hold this rank's clients (one flag per tensor). `program_device` is the JAX
     device the program of CPU tensors runs on where that is an accelerator
-    (`dlpack.host_program_device()`), else None (where the tensors are).
+    (`dlpack.host_program_device()`), else None (where the tensors are). `array_avals`: shapes
+    and dtypes of the call's JAX array inputs (`ArraySlot`), already on that device: the
+    programs take them after the tensors, and nothing differentiates them.
     """
 
     fn: Callable[..., PyTree]
@@ -77,11 +79,17 @@ class CallSpec:
     layout: distributed.Layout | None = None
     per_rank: tuple[bool, ...] = ()
     program_device: Any = None
+    array_avals: tuple[Aval, ...] = ()
 
     @functools.cached_property
     def tensor_positions(self) -> tuple[int, ...]:
         """Where among the leaves the tensors sit."""
         return tuple(i for i, s in enumerate(self.statics) if s is TENSOR)
+
+    @functools.cached_property
+    def array_positions(self) -> tuple[int, ...]:
+        """Where among the leaves the JAX array inputs sit."""
+        return tuple(i for i, s in enumerate(self.statics) if isinstance(s, ArraySlot))
 
 
 _NO_TREE = jax.tree_util.tree_structure(None)
@@ -181,7 +189,10 @@ def trace(spec: CallSpec, counter: TraceCounter) -> TracedCall:
     with runners.trace_context(spec.device_type):
         # Typed as the runner passes the tensors: the residuals' order and tree come from this
         # trace, and backward reads the residuals forward computed with them.
-        traced = structured.trace(*_shape_structs(spec.in_avals, _tensor_sharding(spec)))
+        traced = structured.trace(
+            *_shape_structs(spec.in_avals, _tensor_sharding(spec)),
+            *_shape_structs(spec.array_avals),
+        )
     flat, outputs = traced.out_info
     options = jax_core.cpu_compiler_options(traced.jaxpr) if spec.device_type == "cpu" else {}
     forward = jax.jit(functools.partial(_outputs_of, structured, spec.name, outputs))
@@ -214,7 +225,7 @@ def forward_runner(
         exported (`TracedCall.n_exported`) and residuals stay on the runner's side.
 
     Returns:
-      A runner `(tensors, []) -> (exported tensors, carried residuals)`.
+      A runner `(tensors, JAX array inputs) -> (exported tensors, carried residuals)`.
     """
     spec = call.spec
     out_per_rank: tuple[bool, ...] = ()
@@ -233,6 +244,7 @@ def forward_runner(
         in_per_rank=spec.per_rank,
         out_per_rank=out_per_rank,
         device=spec.program_device,
+        carried_avals=spec.array_avals,
     )
 
 
@@ -267,8 +279,11 @@ def residual_runner(call: TracedCall, *, residuals_as_tensors: bool = False) -> 
     )
 
 
-def vjp_from_inputs(call: TracedCall) -> Callable[[list[jax.Array], list[jax.Array]], Any]:
-    """The VJP from the primal inputs: (inputs, float cotangents) -> gradients (a JAX function).
+def vjp_from_inputs(
+    call: TracedCall,
+) -> Callable[[list[jax.Array], list[jax.Array], list[jax.Array]], Any]:
+    """The VJP from the primal inputs: (the tensors' arrays, float cotangents, the JAX array
+    inputs) -> gradients (a JAX function).
 
     It recomputes forward, so it is differentiable itself (higher derivatives).
     """
@@ -277,8 +292,9 @@ def vjp_from_inputs(call: TracedCall) -> Callable[[list[jax.Array], list[jax.Arr
 
 def jvp_from_inputs(
     call: TracedCall,
-) -> Callable[[list[jax.Array], list[jax.Array], tuple[int, ...]], Any]:
-    """The JVP: (inputs, tangents of the inputs at `positions`, positions) -> float tangents."""
+) -> Callable[[list[jax.Array], list[jax.Array], tuple[int, ...], list[jax.Array]], Any]:
+    """The JVP: (the tensors' arrays, tangents of those at `positions`, positions, the JAX
+    array inputs) -> float tangents."""
     return functools.partial(_jvp, call)
 
 
@@ -365,9 +381,11 @@ def _outputs_of(
 
 
 def _call_fn(spec: CallSpec, arrays: Sequence[jax.Array]) -> tuple[list[jax.Array], Outputs]:
-    """The JAX function on `arrays` (in the tensors' places): its output leaves and `Outputs`."""
+    """The JAX function on `arrays` (in the tensors' places, then the JAX array inputs'): its
+    output leaves and `Outputs`."""
     leaves = list(spec.statics)
-    for position, array in zip(spec.tensor_positions, arrays, strict=True):
+    positions = (*spec.tensor_positions, *spec.array_positions)
+    for position, array in zip(positions, arrays, strict=True):
         leaves[position] = array
     args, kwargs = jax.tree_util.tree_unflatten(spec.treedef, leaves)
     try:
@@ -444,11 +462,16 @@ def _same_outputs(name: str, expected: Outputs, found: Outputs) -> None:
 
 
 def _vjp(
-    call: TracedCall, arrays: list[jax.Array], float_cotangents: list[jax.Array]
+    call: TracedCall,
+    arrays: list[jax.Array],
+    float_cotangents: list[jax.Array],
+    resident: list[jax.Array],
 ) -> list[jax.Array]:
     spec = call.spec
     _, vjp, found = jax.vjp(
-        functools.partial(_varied, spec, arrays), *(arrays[i] for i in spec.diff), has_aux=True
+        functools.partial(_varied, spec, [*arrays, *resident]),
+        *(arrays[i] for i in spec.diff),
+        has_aux=True,
     )
     _same_outputs(call.spec.name, call.outputs, found)
     return list(vjp(cotangents(call.outputs, float_cotangents)))
@@ -459,9 +482,10 @@ def _jvp(
     arrays: list[jax.Array],
     tangents: list[jax.Array],
     positions: tuple[int, ...],
+    resident: list[jax.Array],
 ) -> list[jax.Array]:
     def outputs(*varied: jax.Array) -> list[jax.Array]:
-        full = list(arrays)
+        full = [*arrays, *resident]
         for i, array in zip(positions, varied, strict=True):
             full[i] = array
         outs, found = _call_fn(call.spec, full)

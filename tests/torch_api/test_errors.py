@@ -98,13 +98,13 @@ def test_fn_output_tree_changing_between_calls():
         map_reduce(fickle, params, clients)
 
 
-def test_mixing_torch_tensors_and_jax_arrays():
-    params, clients = _case()
-    clients["x"] = jnp.asarray(clients["x"].numpy())
-    with pytest.raises(
-        TypeError, match=r"map_reduce got torch tensors and JAX arrays in one call \(clients\['x'\]"
-    ):
-        map_reduce(_loss, params, clients)
+def test_jax_arrays_without_torch_tensors_or_as_tracers():
+    f = torch_function(lambda x: x.sum())
+    needs = r"args\[0\] \(shape \(2,\), float32, on cpu:0\): a torch function needs torch tensors"
+    with pytest.raises(TypeError, match=needs + r".*Call the JAX function directly"):
+        f(jnp.ones(2))
+    with pytest.raises(TypeError, match=r"got a JAX tracer at args\[1\].*Call the JAX function"):
+        jax.jit(lambda y: f(torch.ones(2), y))(jnp.ones(2))
 
 
 def test_numpy_arrays_and_unhashable_static_values():

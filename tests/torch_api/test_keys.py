@@ -15,7 +15,7 @@ from bridge_mr.torch_api import _keys
 def _three_keys() -> list[object]:
     x = torch.ones(2, 3)
     leaves, treedef = jax.tree_util.tree_flatten(((x,), {}))
-    full, _ = _keys.call_key(leaves, treedef, grad=True)
+    full, _, _ = _keys.call_key(leaves, treedef, grad=True)
     cached = _keys.cached_key(jnp.sin, ({"x": x}, {"y": x}, None), ("mean",))
     assert cached is not None
     replay = _keys.trace_key(jax.tree.structure((x,)), (jax.typeof(jnp.ones(3)),))
