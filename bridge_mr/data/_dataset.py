@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+import jax
 import numpy as np
 import torch
 
 from bridge_mr.algorithms import ClientSampler, Cohort
 
+from . import _on_jax
 from ._rounds import Round, round_index, round_steps
 
 Examples: TypeAlias = Mapping[str, torch.Tensor]
@@ -17,14 +19,15 @@ Partitioner: TypeAlias = Callable[[Examples], torch.Tensor]
 MASK = "mask"
 
 
-def _check_examples(owner: str, examples: Any) -> dict[str, torch.Tensor]:
-    """`examples` as a dict of tensors with one leading example dimension, or a clear error."""
+def _check_examples(owner: str, examples: Any) -> dict[str, Any]:
+    """`examples` as a dict of tensors (or of JAX arrays on one device) with one leading example
+    dimension, or a clear error."""
     if not isinstance(examples, Mapping) or not examples:
         raise TypeError(
             f"{owner}: expected a non-empty mapping from field names to tensors, e.g. "
             f'{{"x": images, "y": labels}}, got {type(examples).__name__}.'
         )
-    fields: dict[str, torch.Tensor] = {}
+    fields: dict[str, Any] = {}
     for name, value in examples.items():
         if not isinstance(name, str) or name == MASK:
             raise ValueError(
@@ -33,13 +36,20 @@ def _check_examples(owner: str, examples: Any) -> dict[str, torch.Tensor]:
             )
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(value)
-        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+        if not isinstance(value, torch.Tensor | jax.Array) or value.ndim == 0:
             raise TypeError(
-                f"{owner}: expected field {name!r} to be a tensor with a leading example "
-                f"dimension, got {type(value).__name__} of shape "
+                f"{owner}: expected field {name!r} to be a tensor (or a JAX array) with a "
+                f"leading example dimension, got {type(value).__name__} of shape "
                 f"{list(getattr(value, 'shape', ()))}."
             )
         fields[name] = value
+    kinds = {name: type(v).__name__ for name, v in fields.items()}
+    if len({_on_jax.is_array(v) for v in fields.values()}) > 1:
+        raise TypeError(
+            f"{owner}: expected every field to be a torch tensor, or every field a JAX array on "
+            f"one device, got {kinds}. Fix: build the dataset from tensors, then "
+            "FederatedDataset.to(jax_device) puts every field on that device."
+        )
     sizes = {name: int(value.shape[0]) for name, value in fields.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(
@@ -59,7 +69,8 @@ class FederatedDataset:
     loop over the clients. Build it with `from_tensors`, `from_dataset` or `from_clients`.
 
     Attributes:
-      examples: the fields, each `[examples, ...]`, sorted by client.
+      examples: the fields, each `[examples, ...]`, sorted by client: torch tensors, or JAX
+        arrays on one JAX device (`to(jax_device)`).
       offsets: `[num_clients + 1]` int64 (host): where each client's examples start and end.
       client_keys: each client's key: its `from_clients` key, else its index.
 
@@ -82,7 +93,7 @@ class FederatedDataset:
 
     def __init__(
         self,
-        examples: Examples,
+        examples: Mapping[str, Any],
         offsets: torch.Tensor,
         client_keys: Sequence[Hashable] | None = None,
     ) -> None:
@@ -316,20 +327,42 @@ class FederatedDataset:
         start, stop = int(self.offsets[index]), int(self.offsets[index + 1])
         return {name: value[start:stop] for name, value in self.examples.items()}
 
-    def to(self, device: torch.device | str) -> FederatedDataset:
+    def to(self, device: Any) -> FederatedDataset:
         """The same dataset with its examples on `device` (the bookkeeping stays on the host).
 
+        A JAX device (a TPU, with a CPU build of torch) holds the examples as JAX arrays:
+        `round()` then gathers there and returns JAX arrays, which `map_reduce` (and
+        `algorithms`) take as inputs already where the program runs, so that per round only
+        the example index and mask go to the device (and the parameters, as torch tensors).
+        With x64 off, int64 fields become int32 (values checked).
+
         Args:
-          device: e.g. "cuda", or `torch_xla.device()`.
+          device: e.g. "cuda", `torch_xla.device()`, or a JAX device such as
+            `jax.devices("tpu")[0]` (or `bridge_mr.dlpack.host_program_device()`).
 
         Returns:
           A new dataset (this one is unchanged).
+
+        Raises:
+          TypeError: a float64 field bound for a JAX device with x64 off.
+          ValueError: an int64 field out of int32's range bound for a JAX device (x64 off).
 
         Example:
           >>> train = bridge_mr.data.FederatedDataset.from_clients({"a": {"x": torch.ones(2)}})
           >>> train.to("cpu").examples["x"].device
           device(type='cpu')
+          >>> train.to(jax.devices()[0]).examples["x"]  # on a TPU host: on the chip
+          Array([1., 1.], dtype=float32)
         """
+        if _on_jax.is_jax_device(device):
+            moved = _on_jax.to_device("FederatedDataset.to(device=...)", self.examples, device)
+            return FederatedDataset(moved, self.offsets, self.client_keys)
+        if any(_on_jax.is_array(v) for v in self.examples.values()):
+            raise TypeError(
+                f"FederatedDataset.to(device={device!r}): the examples are JAX arrays; a torch "
+                "device takes torch tensors. Fix: build the dataset again from the tensors, or "
+                "pass a JAX device."
+            )
         moved = {name: value.to(device) for name, value in self.examples.items()}
         return FederatedDataset(moved, self.offsets, self.client_keys)
 
@@ -443,6 +476,9 @@ class FederatedDataset:
         )
         shape = (len(rows), steps, batch_size)
         index = index.flatten()
+        if _on_jax.is_array(next(iter(self.examples.values()))):
+            on_jax = _on_jax.gather(self.examples, index, mask, shape)
+            return Round(on_jax, cohort, cohort.weights(counts), cohort.weights())
         batches: dict[str, torch.Tensor] = {}
         on_device: dict[torch.device, torch.Tensor] = {}
         for name, value in self.examples.items():

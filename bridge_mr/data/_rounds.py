@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -22,7 +23,9 @@ class Round:
     `Cohort.gather` does: the sampled clients, then `padded_size - size` padding rows.
 
     Attributes:
-      batches: the example fields and `"mask"`, each `[clients, steps, batch_size, ...]`.
+      batches: the example fields and `"mask"`, each `[clients, steps, batch_size, ...]`: torch
+        tensors on the dataset's device, or JAX arrays for a dataset on a JAX device
+        (`FederatedDataset.to(jax_device)`; `map_reduce` takes them where they are).
       cohort: the clients of the round's rows.
       weights: `[clients]` float32, each row's example count (FedAvg's weight), 0 for padding
         rows: `cohort.weights(dataset.example_counts)`, for `outer_step(weights=...)`.
@@ -43,7 +46,7 @@ class Round:
       tensor([3., 5.])
     """
 
-    batches: dict[str, torch.Tensor]
+    batches: dict[str, Any]
     cohort: Cohort
     weights: torch.Tensor
     client_mask: torch.Tensor

@@ -1,0 +1,81 @@
+"""A dataset's examples as JAX arrays on an accelerator: each round's gather runs there.
+
+With a CPU build of torch (a TPU host), no torch tensor can live on the chip. The examples go
+there once as JAX arrays (`FederatedDataset.to(jax_device)`); a round sends only its example
+index and mask and gathers on the chip, and `map_reduce` takes the gathered JAX arrays as
+inputs already where its program runs (no transfer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+_INT32 = np.iinfo(np.int32)
+
+
+def is_jax_device(device: Any) -> bool:
+    """Whether `device` names a JAX device (rather than a torch one)."""
+    return isinstance(device, jax.Device)
+
+
+def is_array(value: Any) -> bool:
+    """Whether `value` is a concrete JAX array."""
+    return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+
+
+def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, jax.Array]:
+    """`fields` (torch tensors or JAX arrays) as JAX arrays on `device`, each copied there once.
+
+    While JAX's 64-bit mode is off, int64 fields become int32 (their values checked to fit);
+    float64 ones are refused (JAX would narrow them silently).
+
+    Raises:
+      TypeError: a float64 / complex128 field with x64 off.
+      ValueError: an int64 field holds a value outside int32.
+    """
+    moved = {}
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        if not jax.config.read("jax_enable_x64") and isinstance(value, np.ndarray):
+            if value.dtype in (np.float64, np.complex128):
+                raise TypeError(
+                    f"{owner}: field {name!r} is {value.dtype}, which JAX holds only with "
+                    "64-bit mode on (jax.config.update('jax_enable_x64', True)). Fix: convert it "
+                    "first (x.float()), or enable x64."
+                )
+            if value.dtype == np.int64:
+                if value.size and (value.min() < _INT32.min or value.max() > _INT32.max):
+                    raise ValueError(
+                        f"{owner}: field {name!r} is int64 and holds values outside int32 "
+                        f"([{value.min()}, {value.max()}]), which JAX holds as int32 while "
+                        "64-bit mode is off. Fix: enable x64, or map the values into int32."
+                    )
+                value = value.astype(np.int32)
+        moved[name] = jax.device_put(value, device)
+    return moved
+
+
+def gather(
+    examples: Mapping[str, jax.Array], index: torch.Tensor, mask: torch.Tensor,
+    shape: tuple[int, ...],
+) -> dict[str, jax.Array]:  # fmt: skip
+    """Each field's rows at `index` (`[rows * slots]`, host) and the `mask` (`[rows, slots]`),
+    shaped `shape + field[1:]`, gathered on the examples' device: only the index and the mask
+    cross."""
+    first = next(iter(examples.values()))
+    (device,) = first.devices()
+    on_device = jax.device_put(index.numpy().astype(np.int32), device)
+    batches = {
+        name: jnp.take(value, on_device, axis=0).reshape(*shape, *value.shape[1:])
+        for name, value in examples.items()
+    }
+    batches["mask"] = jax.device_put(mask.numpy().reshape(shape), device)
+    return batches

@@ -1,0 +1,86 @@
+"""A federated dataset held as JAX arrays (`FederatedDataset.to(jax_device)`, data on the chip):
+its rounds gather there, equal the torch dataset's rounds, and train to the same values."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+
+import bridge_mr
+from bridge_mr import algorithms as alg
+from bridge_mr import data as fd
+
+
+def _dataset() -> fd.FederatedDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 4, generator=g)
+    y = torch.randint(0, 3, (40,), generator=g)  # int64: int32 on the JAX device
+    return fd.FederatedDataset.from_tensors({"x": x, "y": y}, fd.Dirichlet(6, 0.5, seed=0))
+
+
+def _masked_loss(params, batch):
+    logits = batch["x"] @ params["w"] + params["b"]
+    per_example = torch.nn.functional.cross_entropy(logits, batch["y"], reduction="none")
+    mask = batch["mask"]
+    return (mask * per_example).sum() / mask.sum().clamp(min=1.0)
+
+
+def test_a_round_on_jax_arrays_equals_the_torch_round():
+    train = _dataset()
+    device = jax.devices("cpu")[0]
+    on_jax = train.to(device)
+    sampler = train.sampler(probability=0.6, generator=1)  # padding rows
+    cohort = sampler.sample()
+    expected = train.round(
+        cohort, batch_size=3, epochs=2, generator=torch.Generator().manual_seed(2)
+    )
+    found = on_jax.round(cohort, batch_size=3, epochs=2, generator=torch.Generator().manual_seed(2))
+    assert set(found.batches) == set(expected.batches)
+    for name, value in found.batches.items():
+        assert isinstance(value, jax.Array)
+        assert value.devices() == {device}
+        np.testing.assert_array_equal(np.asarray(value), expected.batches[name].numpy())
+    assert found.batches["y"].dtype == np.int32
+    torch.testing.assert_close(found.weights, expected.weights)  # host tensors
+    torch.testing.assert_close(found.client_mask, expected.client_mask)
+    np.testing.assert_array_equal(np.asarray(on_jax.client(2)["x"]), train.client(2)["x"].numpy())
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "per_client", "auto"])
+def test_fedavg_from_jax_resident_data_equals_the_torch_data(strategy):
+    train = _dataset()
+    on_jax = train.to(jax.devices("cpu")[0])
+    local = alg.local_training(bridge_mr.from_torch(_masked_loss), optax.sgd(0.1), steps=2)
+    grads = []
+    for dataset in (train, on_jax):
+        g = torch.Generator().manual_seed(3)
+        params = {
+            "w": torch.zeros(4, 3, requires_grad=True),
+            "b": torch.zeros(3, requires_grad=True),
+        }
+        rnd = dataset.round(batch_size=4, steps=2, generator=g)
+        alg.outer_step(local, params, rnd.batches, weights=rnd.weights, strategy=strategy)
+        grads.append({k: p.grad for k, p in params.items()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-6, atol=1e-7)
+
+
+def test_fields_jax_cannot_hold_are_refused_with_the_fix():
+    ids = torch.arange(4) % 2
+    with pytest.raises(TypeError, match=r"field 'x' is float64.*x.float\(\)"):
+        fd.FederatedDataset.from_tensors({"x": torch.zeros(4, dtype=torch.float64)}, ids).to(
+            jax.devices("cpu")[0]
+        )
+    big = torch.tensor([0, 1, 2, 2**40])
+    with pytest.raises(ValueError, match=r"field 'y' is int64 and holds values outside int32"):
+        fd.FederatedDataset.from_tensors({"y": big}, ids).to(jax.devices("cpu")[0])
+    on_jax = fd.FederatedDataset.from_tensors({"x": torch.zeros(4)}, ids).to(jax.devices("cpu")[0])
+    with pytest.raises(TypeError, match=r"the examples are JAX arrays; a torch device"):
+        on_jax.to("cpu")
+    with pytest.raises(TypeError, match=r"every field a JAX array on one device, got"):
+        fd.FederatedDataset(
+            {"x": torch.zeros(4), "y": on_jax.examples["x"]}, torch.tensor([0, 2, 4])
+        )
