@@ -15,6 +15,10 @@
 #             products, 50 / 500 / 2000 clients, medium and highest, in one process
 #             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
 #             $CONVS_S seconds, default 330; $CONVS_ROWS: other rows, e.g. "50:medium 500:medium")
+#   resident  the CNN round, 50 and 500 clients, medium: bridge_mr with host client data,
+#             bridge_mr_resident (client data on the chip as JAX arrays), pure JAX
+#   call      the tiny call's time and its host-side profile: bridge_mr beside pure JAX with and
+#             without host transfers (benchmarks/studies/profile_call.py), highest precision
 #   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds, as they come
 #
 # Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
@@ -94,11 +98,16 @@ for part in "${parts[@]}"; do
           bench gpt2_128 120 --models gpt2_128 --clients 128 --reps 3 \
             --alternatives bridge_mr pure_jax ;;
     cache) cache ;;
+    resident) bench resident 270 --models cnn --clients 50 500 --precision medium --reps 3 \
+                --alternatives bridge_mr bridge_mr_resident pure_jax ;;
     convs) convs ;;
+    call) timeout -k 10 150 python3 -m benchmarks.studies.profile_call --device tpu 2>&1 \
+            | tee "$OUT/profile_call.txt"
+          [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: call failed"; status=1; } ;;
     raw:*) rest=${part#raw:}  # the alternative may hold colons (bridge_mr:chunks:16)
            precision=${rest##*:}; rest=${rest%:*}; clients=${rest##*:}; rest=${rest%:*}
            model=${rest##*:}; raw "${rest%:*}" "$model" "$clients" "$precision" ;;
-    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache)"; status=1 ;;
+    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache, resident, convs, call, raw:...)"; status=1 ;;
   esac
 done
 exit $status

@@ -255,7 +255,7 @@ def run(
     chosen = tuple(
         a
         for a in (ctx.round_alternatives or ())
-        if a in accelerator.ALTERNATIVES or a.startswith("bridge_mr:")
+        if a in accelerator.ALTERNATIVES or a.startswith(("bridge_mr:", "bridge_mr_resident:"))
     )
     alternatives = chosen or accelerator.ALTERNATIVES
     note = (
@@ -263,7 +263,9 @@ def run(
         "server SGD(lr=1.0) on minus the mean delta; cnn = pfl-research's CIFAR10 simple_cnn "
         "without dropout; gpt2_128 = GPT2LMHeadModel, 2 layers of width 128, 32 tokens; tiny = "
         "one map_reduce forward+backward of the overhead case's MLP (4 clients, width 8). "
-        "bridge_mr = strategy auto; bridge_mr:NAME[:CHUNK] forced. pure_jax = jax.jit(jax.vmap) "
+        "bridge_mr = strategy auto; bridge_mr:NAME[:CHUNK] forced; bridge_mr_resident = auto "
+        "with the client data held as JAX arrays where the program runs (data on the chip: "
+        "FederatedDataset.to(jax_device)). pure_jax = jax.jit(jax.vmap) "
         "of the same converted client, the floor. FLOPs: matmul/conv work of one call "
         "(bridge_mr.auto.cost of the vmap program), the same for every alternative."
     )

@@ -48,6 +48,7 @@ ALTERNATIVES = (
     "torch_loop",
     "torch_vmap",
     "bridge_mr",
+    "bridge_mr_resident",
     "bridge_mr:vmap",
     "bridge_mr:per_client",
     "bridge_mr:chunks:16",
@@ -204,8 +205,14 @@ def _local(cfg: AcceleratorConfig, net: Any) -> Any:
     return users.local_training(_family(cfg.model), net, cfg.steps, cfg.lr)
 
 
+def _resident(alternative: str) -> bool:
+    """Whether `alternative` holds the client data as JAX arrays where the program runs (data
+    on the chip, as `bridge_mr.data.FederatedDataset.to(jax_device)` does): "bridge_mr_resident"."""
+    return alternative.split(":")[0] == "bridge_mr_resident"
+
+
 def _strategy(alternative: str) -> dict[str, Any]:
-    """ "bridge_mr[:STRATEGY[:CHUNK]]" -> map_reduce's keyword arguments."""
+    """ "bridge_mr[_resident][:STRATEGY[:CHUNK]]" -> map_reduce's keyword arguments."""
     parts = alternative.split(":")
     options: dict[str, Any] = {}
     if len(parts) > 1:
@@ -222,7 +229,8 @@ def round_bridge_mr(cfg: AcceleratorConfig, alternative: str) -> Callable[[], An
     """The documented round on the device (`users.bridge_mr_round`)."""
     net = build_model(cfg.model).to(cfg.tensor_device)
     local = _local(cfg, net)
-    return users.bridge_mr_round(net, _torch_data(cfg), local, **_strategy(alternative))
+    batches = _jax_tree(data(cfg), cfg.device) if _resident(alternative) else _torch_data(cfg)
+    return users.bridge_mr_round(net, batches, local, **_strategy(alternative))
 
 
 def round_torch_loop(cfg: AcceleratorConfig) -> Callable[[], Any]:
@@ -335,10 +343,11 @@ def tiny_call(cfg: AcceleratorConfig, alternative: str) -> Callable[[], Any]:
         import bridge_mr
 
         options = _strategy(alternative)
+        clients = _jax_tree(data_np, cfg.device) if _resident(alternative) else t_data
 
         def bridge() -> Any:
             clear()
-            bridge_mr.map_reduce(overhead_loss, t_params, t_data, **options).backward()
+            bridge_mr.map_reduce(overhead_loss, t_params, clients, **options).backward()
             return grads()
 
         return bridge
