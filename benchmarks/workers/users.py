@@ -93,8 +93,9 @@ def _device_peaks(device: str) -> dict[str, float]:
 
 
 def _auto_choice(alternative: str) -> str | None:
-    """What `strategy="auto"` picked in this process (the last choice), for "bridge_mr"."""
-    if alternative != "bridge_mr":
+    """What `strategy="auto"` picked in this process (the last choice), for "bridge_mr" and
+    "bridge_mr_resident"."""
+    if alternative not in ("bridge_mr", "bridge_mr_resident"):
         return None
     import bridge_mr
 

@@ -15,6 +15,11 @@ _RULED_OUT_GROUPED = (
     "ruled out: it would vmap the client's convolutions over per-client weights, a grouped "
     "convolution (clients x channels), which XLA:CPU runs several times slower"
 )
+_RULED_OUT_GROUPED_TPU = (
+    "ruled out: it would vmap the client's convolutions over per-client weights into "
+    "convolutions of more groups than AUTO_TPU_MAX_CONV_GROUPS, which a TPU runs slower per "
+    "client than one client at a time"
+)
 _RULED_OUT_GROUPED_GPU = (
     "ruled out: it would vmap the client's convolutions over per-client weights into "
     "convolutions of more groups than AUTO_GPU_MAX_CONV_GROUPS, which a GPU runs slower per "
@@ -51,7 +56,8 @@ def ruled_out(
 ) -> dict[Option, str]:
     """The candidates the cost model rules out on `device`, and why (a candidate it cannot
     read stays): those over the budget, and batched ones whose convolutions vmap groups over
-    per-client weights (on CPU any such grouping; on a GPU beyond `AUTO_GPU_MAX_CONV_GROUPS`)."""
+    per-client weights (on CPU any such grouping; on a GPU beyond `AUTO_GPU_MAX_CONV_GROUPS`, on
+    a TPU beyond `AUTO_TPU_MAX_CONV_GROUPS`)."""
     reference = costs.get(("per_client", None))
     out: dict[Option, str] = {}
     for option, found in costs.items():
@@ -62,9 +68,12 @@ def ruled_out(
             and reference is not None
             and found.conv_groups > reference.conv_groups
         )
+        on_tpu = device.platform == "tpu"
         if grouped and not device.accelerator:
             out[option] = _RULED_OUT_GROUPED
-        elif grouped and found.conv_groups > settings.AUTO_GPU_MAX_CONV_GROUPS:
+        elif grouped and on_tpu and found.conv_groups > settings.AUTO_TPU_MAX_CONV_GROUPS:
+            out[option] = _RULED_OUT_GROUPED_TPU
+        elif grouped and not on_tpu and found.conv_groups > settings.AUTO_GPU_MAX_CONV_GROUPS:
             out[option] = _RULED_OUT_GROUPED_GPU
         elif found.peak_bytes > budget:
             out[option] = _OVER_BUDGET

@@ -153,11 +153,12 @@ def from_record(record: dict[str, Any], signature: str) -> Choice | None:
 
 
 def describe(fn: Any, server: PyTree, clients: PyTree, reduce: str, grads: bool) -> str:
-    def shapes(tree: PyTree) -> str:
+    def shapes(tree: PyTree) -> str:  # Tensors, and JAX arrays (already on the device).
         return ", ".join(
             f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            + ("" if isinstance(t, torch.Tensor) else " (jax)")
             for t in jax.tree.leaves(tree)
-            if isinstance(t, torch.Tensor)
+            if isinstance(t, torch.Tensor | jax.Array)
         )
 
     name = getattr(fn, "__qualname__", None) or type(fn).__name__

@@ -28,6 +28,11 @@ AUTO_MEMORY_FLOOR = 1 << 30
 #: round cost 0.55 ms per client at 16 and 50 groups and 1.9 ms at 500 (vmap of 500 clients:
 #: 932 ms against 281 ms in chunks of 16). On CPU every such grouping is ruled out.
 AUTO_GPU_MAX_CONV_GROUPS = 64
+#: On a TPU, a batched candidate whose convolutions are grouped more than this is ruled out (1:
+#: any grouping). On a v5e, a CNN FedAvg round of 500 clients at torch's "medium" precision, the
+#: client data on the chip: per_client 263 ms, chunks of 16 476 ms, vmap 609 ms, chunks of 128
+#: 905 ms (docs/tpu.md).
+AUTO_TPU_MAX_CONV_GROUPS = 1
 #: Time the candidates the cost model leaves, rather than take its favourite. Each timed
 #: candidate is compiled and run (its program kept) a few times, which costs about one first
 #: call each: measuring on a first call what the cost model cannot see.
