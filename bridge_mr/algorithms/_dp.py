@@ -119,8 +119,8 @@ def dp_outer_step(
     server = round_server(local, params, client_batches, hparams, "dp_outer_step")
     first = jax.tree.leaves(client_batches)[0]
     n = int(first.shape[0])
-    if mask is None:
-        mask = torch.ones(n, device=first.device)
+    if mask is None:  # Batches as JAX arrays (data on the chip): a host mask, as cohorts give.
+        mask = torch.ones(n, device=first.device if isinstance(first, torch.Tensor) else "cpu")
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (n,):
         raise ValueError(
             f"dp_outer_step(mask=...): expected a tensor of shape [{n}] (one 0/1 per client "

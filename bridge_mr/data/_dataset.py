@@ -19,9 +19,9 @@ Partitioner: TypeAlias = Callable[[Examples], torch.Tensor]
 MASK = "mask"
 
 
-def _check_examples(owner: str, examples: Any) -> dict[str, Any]:
-    """`examples` as a dict of tensors (or of JAX arrays on one device) with one leading example
-    dimension, or a clear error."""
+def _check_examples(owner: str, examples: Any, *, jax_arrays: bool = False) -> dict[str, Any]:
+    """`examples` as a dict of tensors (or, with `jax_arrays`, of JAX arrays on one device) with
+    one leading example dimension, or a clear error."""
     if not isinstance(examples, Mapping) or not examples:
         raise TypeError(
             f"{owner}: expected a non-empty mapping from field names to tensors, e.g. "
@@ -36,6 +36,12 @@ def _check_examples(owner: str, examples: Any) -> dict[str, Any]:
             )
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(value)
+        if _on_jax.is_array(value) and not jax_arrays:
+            raise TypeError(
+                f"{owner}: field {name!r} is a JAX array; a dataset is built from torch tensors "
+                "(or numpy arrays). Fix: build it from tensors, then FederatedDataset.to("
+                "jax_device) puts the examples on that device as JAX arrays."
+            )
         if not isinstance(value, torch.Tensor | jax.Array) or value.ndim == 0:
             raise TypeError(
                 f"{owner}: expected field {name!r} to be a tensor (or a JAX array) with a "
@@ -43,13 +49,7 @@ def _check_examples(owner: str, examples: Any) -> dict[str, Any]:
                 f"{list(getattr(value, 'shape', ()))}."
             )
         fields[name] = value
-    kinds = {name: type(v).__name__ for name, v in fields.items()}
-    if len({_on_jax.is_array(v) for v in fields.values()}) > 1:
-        raise TypeError(
-            f"{owner}: expected every field to be a torch tensor, or every field a JAX array on "
-            f"one device, got {kinds}. Fix: build the dataset from tensors, then "
-            "FederatedDataset.to(jax_device) puts every field on that device."
-        )
+    _on_jax.check_one_place(owner, fields)
     sizes = {name: int(value.shape[0]) for name, value in fields.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(
@@ -97,7 +97,7 @@ class FederatedDataset:
         offsets: torch.Tensor,
         client_keys: Sequence[Hashable] | None = None,
     ) -> None:
-        self.examples = _check_examples("FederatedDataset(examples=...)", examples)
+        self.examples = _check_examples("FederatedDataset(examples=...)", examples, jax_arrays=True)
         offsets = offsets.to("cpu", torch.int64)
         total = len(next(iter(self.examples.values())))
         if offsets.ndim != 1 or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total:
@@ -301,8 +301,9 @@ class FederatedDataset:
         """Each client's number of examples, an int64 tensor `[num_clients]` on the host."""
         return self.offsets.diff()
 
-    def client(self, index: int) -> dict[str, torch.Tensor]:
-        """Client `index`'s examples, in the dataset's order (views, on the dataset's device).
+    def client(self, index: int) -> dict[str, Any]:
+        """Client `index`'s examples, in the dataset's order (views, on the dataset's device;
+        JAX arrays for a dataset on a JAX device).
 
         Args:
           index: the client, in `[0, num_clients)`.

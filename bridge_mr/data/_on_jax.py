@@ -30,6 +30,22 @@ def is_array(value: Any) -> bool:
     return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
 
 
+def check_one_place(owner: str, fields: Mapping[str, Any]) -> None:
+    """Raises unless `fields` are all torch tensors, or all JAX arrays on one device."""
+    places = {frozenset(v.devices()) if is_array(v) else None for v in fields.values()}
+    if len(places) > 1:
+        kinds = {
+            name: f"jax.Array on {', '.join(map(str, v.devices()))}" if is_array(v)
+            else type(v).__name__
+            for name, v in fields.items()
+        }  # fmt: skip
+        raise TypeError(
+            f"{owner}: expected every field to be a torch tensor, or every field a JAX array on "
+            f"one device, got {kinds}. Fix: build the dataset from tensors, then "
+            "FederatedDataset.to(jax_device) puts every field on that device."
+        )
+
+
 def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, jax.Array]:
     """`fields` (torch tensors or JAX arrays) as JAX arrays on `device`, each copied there once.
 
@@ -43,7 +59,7 @@ def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, j
     moved = {}
     for name, value in fields.items():
         if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().numpy()
+            value = _numpy(owner, name, value)
         if not jax.config.read("jax_enable_x64") and isinstance(value, np.ndarray):
             if value.dtype in (np.float64, np.complex128):
                 raise TypeError(
@@ -61,6 +77,20 @@ def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, j
                 value = value.astype(np.int32)
         moved[name] = jax.device_put(value, device)
     return moved
+
+
+def _numpy(owner: str, name: str, tensor: torch.Tensor) -> np.ndarray:
+    """`tensor`'s values on the host as numpy (bfloat16 as JAX's numpy bfloat16)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; JAX's (ml_dtypes') has.
+        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    try:
+        return tensor.numpy()
+    except TypeError as err:
+        raise TypeError(
+            f"{owner}: field {name!r} is {tensor.dtype}, which has no numpy or JAX dtype to go "
+            f"to the device as ({err}). Fix: convert it first (x.float())."
+        ) from None
 
 
 def gather(

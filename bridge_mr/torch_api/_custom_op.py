@@ -85,6 +85,13 @@ def call(fn: Any, uid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
             "before torch_function(..., compilable=True), or pass them as tensors."
         )
     for i, arg in enumerate(args):
+        if isinstance(arg, jax.Array):
+            raise TypeError(
+                f"{fn!r} is compilable (a torch.library custom op, whose arguments are tensors "
+                f"only); argument {i} is a jax.Array of shape {tuple(arg.shape)}. Use "
+                "torch_function(..., compilable=False), which takes JAX array inputs, or pass "
+                "a torch tensor (bridge_mr.dlpack.to_torch)."
+            )
         if not isinstance(arg, torch.Tensor):
             raise TypeError(
                 f"{fn!r} is compilable, so it takes tensors as positional arguments only; "

@@ -40,7 +40,8 @@ class ArraySlot:
     program runs (data on the chip, say), passed to it as it is and not differentiated."""
 
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: Any  # A numpy dtype, or JAX's extended one (typed PRNG keys).
+    weak_type: bool
 
 
 def is_array(leaf: Any) -> bool:
@@ -48,9 +49,15 @@ def is_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
 
+def _weak_type(leaf: jax.Array) -> bool:
+    """Whether `leaf` is weakly typed (typed PRNG key arrays have no such attribute: never)."""
+    return bool(getattr(leaf, "weak_type", False))
+
+
 def array_key(leaf: jax.Array) -> tuple[Any, ...]:
-    """What a call's key holds of a JAX array input: its type, shape, dtype and sharding."""
-    return (jax.Array, leaf.shape, leaf.dtype, leaf.sharding)
+    """What a call's key holds of a JAX array input: its type, shape, dtype, weak type (a
+    weakly typed scalar takes the other operand's dtype) and sharding."""
+    return (jax.Array, leaf.shape, leaf.dtype, _weak_type(leaf), leaf.sharding)
 
 
 def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -59,7 +66,7 @@ def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(
         TENSOR
         if isinstance(leaf, torch.Tensor)
-        else ArraySlot(tuple(leaf.shape), np.dtype(leaf.dtype))
+        else ArraySlot(tuple(leaf.shape), leaf.dtype, _weak_type(leaf))
         if is_array(leaf)
         else leaf
         for leaf in leaves

@@ -63,9 +63,8 @@ class CallSpec:
     the agreed layout of the ranks' clients, `in_avals` are global shapes, and `per_rank` says
     which tensors hold this rank's clients (one flag per tensor). `program_device` is the JAX
     device the program of CPU tensors runs on where that is an accelerator
-    (`dlpack.host_program_device()`), else None (where the tensors are). `array_avals`: shapes
-    and dtypes of the call's JAX array inputs (`ArraySlot`), already on that device: the
-    programs take them after the tensors, and nothing differentiates them.
+    (`dlpack.host_program_device()`), else None (where the tensors are). `array_avals`: the
+    JAX array inputs (`ArraySlot`), which programs take after the tensors, never differentiated.
     """
 
     fn: Callable[..., PyTree]
@@ -190,8 +189,7 @@ def trace(spec: CallSpec, counter: TraceCounter) -> TracedCall:
         # Typed as the runner passes the tensors: the residuals' order and tree come from this
         # trace, and backward reads the residuals forward computed with them.
         traced = structured.trace(
-            *_shape_structs(spec.in_avals, _tensor_sharding(spec)),
-            *_shape_structs(spec.array_avals),
+            *_shape_structs(spec.in_avals, _tensor_sharding(spec)), *_array_structs(spec)
         )
     flat, outputs = traced.out_info
     options = jax_core.cpu_compiler_options(traced.jaxpr) if spec.device_type == "cpu" else {}
@@ -339,6 +337,12 @@ def _on_device(spec: CallSpec, program: F) -> F:
 
 def _shape_structs(avals: Sequence[Aval], sharding: Any = None) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(*aval, sharding=sharding) for aval in avals]
+
+
+def _array_structs(spec: CallSpec) -> list[jax.ShapeDtypeStruct]:
+    """The types of `spec`'s JAX array inputs, weak types included (as the arrays have them)."""
+    slots = [s for s in spec.statics if isinstance(s, ArraySlot)]
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type) for s in slots]
 
 
 def _tensor_sharding(spec: CallSpec) -> NamedSharding | None:

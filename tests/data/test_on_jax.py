@@ -68,6 +68,23 @@ def test_fedavg_from_jax_resident_data_equals_the_torch_data(strategy):
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-6, atol=1e-7)
 
 
+def test_bfloat16_fields_and_dp_fedavg_without_a_mask():
+    train = _dataset()
+    half = fd.FederatedDataset({"x": train.examples["x"].bfloat16()}, train.offsets)
+    on_jax = half.to(jax.devices("cpu")[0])
+    np.testing.assert_array_equal(
+        np.asarray(on_jax.examples["x"]).astype(np.float32), half.examples["x"].float().numpy()
+    )
+    local = alg.local_training(bridge_mr.from_torch(_masked_loss), optax.sgd(0.1), steps=2)
+    rnd = train.to(jax.devices("cpu")[0]).round(batch_size=4, steps=2, generator=torch.Generator())
+    params = {"w": torch.zeros(4, 3, requires_grad=True), "b": torch.zeros(3, requires_grad=True)}
+    metrics = alg.dp_outer_step(
+        local, params, rnd.batches, clip_norm=1e6, noise_multiplier=0.0, expected_clients=6,
+        generator=torch.Generator().manual_seed(0), strategy="vmap",
+    )  # fmt: skip
+    assert float(metrics["clients"]) == 6
+
+
 def test_fields_jax_cannot_hold_are_refused_with_the_fix():
     ids = torch.arange(4) % 2
     with pytest.raises(TypeError, match=r"field 'x' is float64.*x.float\(\)"):
@@ -80,6 +97,13 @@ def test_fields_jax_cannot_hold_are_refused_with_the_fix():
     on_jax = fd.FederatedDataset.from_tensors({"x": torch.zeros(4)}, ids).to(jax.devices("cpu")[0])
     with pytest.raises(TypeError, match=r"the examples are JAX arrays; a torch device"):
         on_jax.to("cpu")
+    with pytest.raises(TypeError, match=r"build it from tensors, then FederatedDataset.to"):
+        fd.FederatedDataset.from_tensors(on_jax.examples, ids)
+    elsewhere = jax.device_put(on_jax.examples["x"], jax.devices("cpu")[1])
+    with pytest.raises(
+        TypeError, match=r"'y': 'jax.Array on TFRT_CPU_1'|'y': 'jax.Array on cpu:1'"
+    ):
+        fd.FederatedDataset({"x": on_jax.examples["x"], "y": elsewhere}, torch.tensor([0, 2, 4]))
     with pytest.raises(TypeError, match=r"every field a JAX array on one device, got"):
         fd.FederatedDataset(
             {"x": torch.zeros(4), "y": on_jax.examples["x"]}, torch.tensor([0, 2, 4])

@@ -142,3 +142,27 @@ def test_a_jax_array_server_value_is_an_input_not_a_constant():
     for scale in (1.0, 2.0):
         out = bridge_mr.map_reduce(loss, {"w": w, "scale": jnp.full(3, scale)}, x)
         assert out.item() == pytest.approx(3 * scale)
+
+
+def test_weak_types_and_typed_prng_keys():
+    f = torch_function(lambda t, a: t * a)
+    t = torch.ones(3, dtype=torch.bfloat16)
+    with jax.numpy_dtype_promotion("standard"):  # The suite runs with "strict".
+        assert f(t, jnp.asarray(2.0, jnp.float32)).dtype == torch.float32  # float32 wins
+        assert f(t, jnp.array(2.0)).dtype == torch.bfloat16  # a weak scalar takes t's dtype
+    w = torch.ones(3, requires_grad=True)
+
+    def noisy(server, key):
+        return jnp.sum(server * jax.random.normal(key, (3,)))
+
+    keys = jax.random.split(jax.random.key(0), 4)  # per-client typed keys
+    out = map_reduce(noisy, w, keys, strategy="vmap")
+    out.backward()
+    expected = jnp.mean(jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys), axis=0)
+    np.testing.assert_allclose(w.grad.numpy(), np.asarray(expected), rtol=1e-6)
+
+
+def test_a_compilable_function_refuses_jax_arrays_with_the_fix():
+    f = torch_function(lambda x, y: x + y, compilable=True)
+    with pytest.raises(TypeError, match=r"argument 1 is a jax.Array.*compilable=False"):
+        f(torch.ones(2), jnp.ones(2))
