@@ -7,9 +7,9 @@ Three keys hold it:
 
 * `call_key`: the full compile key of a `TorchFunction` call (tree structure, each static
   value's key, each tensor's type, shape, dtype, device, layout and `requires_grad`, each JAX
-  array input's shape, dtype and sharding, grad mode);
-* `cached_key`: `map_reduce`'s cheaper key of a repeated call (plain tensors only; its options
-  as given), under which it keeps the entry the full path found;
+  array input's shape, dtype, weak type and sharding, grad mode);
+* `cached_key`: `map_reduce`'s cheaper key of a repeated call (plain tensors and JAX arrays;
+  its options as given), under which it keeps the entry the full path found;
 * `trace_key`: the key under which a client function's trace is replayed (`_round`).
 
 A test asserts that all three hold `context()`, so no key can miss a part of it.
@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import torch
 
 from bridge_mr import jax_core
@@ -90,23 +91,30 @@ def function_identities(key: tuple[Any, ...]) -> list[FunctionIdentity]:
 
 def cached_key(
     fn: Any, trees: tuple[Any, ...], options: tuple[Any, ...]
-) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
-    """`map_reduce`'s key of a repeated call of `fn` on `trees` (server, clients, weights), and
-    the call's tensors: `fn`'s key, the tree structure, each tensor's shape, dtype, device,
-    layout and `requires_grad`, grad mode, the call's options (reduce, placement, mesh,
-    strategy, ...) and `context()`: what `call_key` holds for the same call, and what auto's
-    choice depends on. None where a leaf is not a plain torch tensor (numbers, subclasses) or
-    the trees cannot be flattened (dict keys that do not sort): the full path takes them, or
-    names what is wrong."""
+) -> tuple[tuple[Any, ...], list[torch.Tensor], list[jax.Array]] | None:
+    """`map_reduce`'s key of a repeated call of `fn` on `trees` (server, clients, weights), the
+    call's tensors and its JAX array inputs: `fn`'s key, the tree structure, each tensor's shape,
+    dtype, device, layout and `requires_grad`, each JAX array's `array_key`, grad mode, the
+    call's options (reduce, placement, mesh, strategy, ...) and `context()`: what `call_key`
+    holds for the same call, and what auto's choice depends on. None where a leaf is neither a
+    plain torch tensor nor a JAX array (numbers, subclasses) or the trees cannot be flattened
+    (dict keys that do not sort): the full path takes them, or names what is wrong."""
     try:
         leaves, treedef = jax.tree_util.tree_flatten(trees)
     except (TypeError, ValueError):
         return None
     parts = []
+    tensors: list[torch.Tensor] = []
+    arrays: list[jax.Array] = []
     for leaf in leaves:
-        if type(leaf) is not torch.Tensor:
+        if type(leaf) is torch.Tensor:
+            tensors.append(leaf)
+            parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad))
+        elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):  # is_array
+            arrays.append(leaf)
+            parts.append(array_key(leaf))
+        else:
             return None
-        parts.append((leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad))
     key = (
         function_key(fn) if isinstance(fn, FUNCTION_TYPES) else static_key(fn),
         treedef,
@@ -115,7 +123,7 @@ def cached_key(
         options,
         context(),
     )
-    return key, leaves
+    return key, tensors, arrays
 
 
 def by_identity(key: tuple[Any, ...]) -> bool:

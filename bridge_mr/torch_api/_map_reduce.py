@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
+import jax
 import torch
 from jax.sharding import AbstractMesh, Mesh
 
@@ -157,7 +158,7 @@ def map_reduce(
     if weights is not None and check_weights and reduce == "weighted_mean":
         check_after = _weights.check_weights(weights)
     if hit is not None and hit.entry is not None:
-        result = run(hit.entry, hit.tensors)
+        result = run(hit.entry, hit.tensors, hit.arrays)
     else:
         args = (fn, server, clients, weights, reduce, placement, mesh)
         result = _full_path(args, strategy, chunk_size, memory_budget_bytes, hit, compiling)
@@ -167,10 +168,12 @@ def map_reduce(
 
 
 class _Hit(NamedTuple):
-    """A call's cached key, its tensors, and the entry an earlier call left under the key."""
+    """A call's cached key, its tensors and JAX array inputs, and the entry an earlier call
+    left under the key."""
 
     key: tuple[Any, ...]
     tensors: list[torch.Tensor]
+    arrays: list[jax.Array]
     entry: Entry | None
 
 
@@ -217,7 +220,8 @@ def _remember(hit: _Hit, entry: Entry) -> None:
     auto runs vmap without deciding; not where the full path took other tensors)."""
     if torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active():
         return
-    if len(hit.tensors) == len(entry.traced.spec.in_avals):
+    spec = entry.traced.spec
+    if (len(hit.tensors), len(hit.arrays)) == (len(spec.in_avals), len(spec.array_avals)):
         MAP_REDUCE._remember(hit.key, entry, by_identity=_keys.by_identity(hit.key))
 
 

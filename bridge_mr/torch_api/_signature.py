@@ -49,15 +49,11 @@ def is_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
 
-def _weak_type(leaf: jax.Array) -> bool:
-    """Whether `leaf` is weakly typed (typed PRNG key arrays have no such attribute: never)."""
-    return bool(getattr(leaf, "weak_type", False))
-
-
 def array_key(leaf: jax.Array) -> tuple[Any, ...]:
     """What a call's key holds of a JAX array input: its type, shape, dtype, weak type (a
     weakly typed scalar takes the other operand's dtype) and sharding."""
-    return (jax.Array, leaf.shape, leaf.dtype, _weak_type(leaf), leaf.sharding)
+    # getattr: typed PRNG key arrays have no weak type (never weak).
+    return (jax.Array, leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), leaf.sharding)
 
 
 def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -66,7 +62,7 @@ def statics(leaves: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(
         TENSOR
         if isinstance(leaf, torch.Tensor)
-        else ArraySlot(tuple(leaf.shape), leaf.dtype, _weak_type(leaf))
+        else ArraySlot(tuple(leaf.shape), leaf.dtype, getattr(leaf, "weak_type", False))
         if is_array(leaf)
         else leaf
         for leaf in leaves
