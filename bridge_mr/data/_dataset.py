@@ -302,8 +302,9 @@ class FederatedDataset:
         return self.offsets.diff()
 
     def client(self, index: int) -> dict[str, Any]:
-        """Client `index`'s examples, in the dataset's order (views, on the dataset's device;
-        JAX arrays for a dataset on a JAX device).
+        """Client `index`'s examples, in the dataset's order (views, on the dataset's device).
+
+        For a dataset on a JAX device (`to(jax_device)`) they are JAX arrays there.
 
         Args:
           index: the client, in `[0, num_clients)`.
