@@ -59,6 +59,7 @@ def ruled_out(
     per-client weights (on CPU any such grouping; on a GPU beyond `AUTO_GPU_MAX_CONV_GROUPS`, on
     a TPU beyond `AUTO_TPU_MAX_CONV_GROUPS`)."""
     reference = costs.get(("per_client", None))
+    on_tpu = device.platform == "tpu"
     out: dict[Option, str] = {}
     for option, found in costs.items():
         if found is None:
@@ -68,7 +69,6 @@ def ruled_out(
             and reference is not None
             and found.conv_groups > reference.conv_groups
         )
-        on_tpu = device.platform == "tpu"
         if grouped and not device.accelerator:
             out[option] = _RULED_OUT_GROUPED
         elif grouped and on_tpu and found.conv_groups > settings.AUTO_TPU_MAX_CONV_GROUPS:

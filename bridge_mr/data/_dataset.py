@@ -356,7 +356,7 @@ class FederatedDataset:
           >>> train.to(jax.devices()[0]).examples["x"]  # on a TPU host: on the chip
           Array([1., 1.], dtype=float32)
         """
-        if _on_jax.is_jax_device(device):
+        if isinstance(device, jax.Device):
             moved = _on_jax.to_device("FederatedDataset.to(device=...)", self.examples, device)
             return FederatedDataset(moved, self.offsets, self.client_keys)
         if any(_on_jax.is_array(v) for v in self.examples.values()):

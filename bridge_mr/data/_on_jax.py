@@ -20,11 +20,6 @@ import torch
 _INT32 = np.iinfo(np.int32)
 
 
-def is_jax_device(device: Any) -> bool:
-    """Whether `device` names a JAX device (rather than a torch one)."""
-    return isinstance(device, jax.Device)
-
-
 def is_array(value: Any) -> bool:
     """Whether `value` is a concrete JAX array."""
     return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)

@@ -281,7 +281,7 @@ class TorchFunction:
             statics = _signature.statics(leaves)
             diff = tuple(i for i, t in enumerate(tensors) if grad and t.requires_grad)
             spec = self._spec(treedef, statics, tensors, diff)
-            if spec.array_avals:
+            if spec.array_positions:
                 _signature.check_arrays(spec.name, self.arg_names, spec.treedef, leaves,
                                         spec.device_type, spec.mesh, spec.layout,
                                         spec.program_device)  # fmt: skip
@@ -319,9 +319,6 @@ class TorchFunction:
                 raise _signature.complex_grad_error(name, where[i])
         device_type = tensors[0].device.type if tensors else "cpu"
         mesh = _signature.mesh_of(statics)
-        array_avals = tuple(
-            (s.shape, s.dtype) for s in statics if isinstance(s, _signature.ArraySlot)
-        )
         return CallSpec(
             fn=self._jax_fn,
             name=name,
@@ -334,7 +331,6 @@ class TorchFunction:
             layout=layout,
             per_rank=per_rank,
             program_device=_signature.program_device(device_type, mesh, layout),
-            array_avals=array_avals,
         )
 
     def _tensor_names(self, treedef: Any, statics: tuple[Any, ...]) -> list[str]:

@@ -221,7 +221,7 @@ def _remember(hit: _Hit, entry: Entry) -> None:
     if torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active():
         return
     spec = entry.traced.spec
-    if (len(hit.tensors), len(hit.arrays)) == (len(spec.in_avals), len(spec.array_avals)):
+    if (len(hit.tensors), len(hit.arrays)) == (len(spec.in_avals), len(spec.array_positions)):
         MAP_REDUCE._remember(hit.key, entry, by_identity=_keys.by_identity(hit.key))
 
 

@@ -63,8 +63,8 @@ class CallSpec:
     the agreed layout of the ranks' clients, `in_avals` are global shapes, and `per_rank` says
     which tensors hold this rank's clients (one flag per tensor). `program_device` is the JAX
     device the program of CPU tensors runs on where that is an accelerator
-    (`dlpack.host_program_device()`), else None (where the tensors are). `array_avals`: the
-    JAX array inputs (`ArraySlot`), which programs take after the tensors, never differentiated.
+    (`dlpack.host_program_device()`), else None (where the tensors are). The statics'
+    `ArraySlot`s are JAX array inputs, which programs take after the tensors, undifferentiated.
     """
 
     fn: Callable[..., PyTree]
@@ -78,7 +78,6 @@ class CallSpec:
     layout: distributed.Layout | None = None
     per_rank: tuple[bool, ...] = ()
     program_device: Any = None
-    array_avals: tuple[Aval, ...] = ()
 
     @functools.cached_property
     def tensor_positions(self) -> tuple[int, ...]:
@@ -242,7 +241,6 @@ def forward_runner(
         in_per_rank=spec.per_rank,
         out_per_rank=out_per_rank,
         device=spec.program_device,
-        carried_avals=spec.array_avals,
     )
 
 
@@ -341,7 +339,7 @@ def _shape_structs(avals: Sequence[Aval], sharding: Any = None) -> list[jax.Shap
 
 def _array_structs(spec: CallSpec) -> list[jax.ShapeDtypeStruct]:
     """The types of `spec`'s JAX array inputs, weak types included (as the arrays have them)."""
-    slots = [s for s in spec.statics if isinstance(s, ArraySlot)]
+    slots = [spec.statics[i] for i in spec.array_positions]
     return [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type) for s in slots]
 
 
