@@ -44,6 +44,10 @@ def sync(result: Any) -> None:
                 import torch
 
                 torch.cuda.synchronize(leaf.device)
+            elif device_type == "tpu":  # TorchTPU's.
+                import torch
+
+                torch.accelerator.synchronize(leaf.device)
     if xla_pending:
         import torch_xla
         import torch_xla.core.xla_model as xm

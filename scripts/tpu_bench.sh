@@ -20,6 +20,8 @@
 #   call      the tiny call's time and its host-side profile: bridge_mr beside pure JAX with and
 #             without host transfers (benchmarks/studies/profile_call.py), highest precision
 #   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds, as they come
+#             (ALTERNATIVE *_torchtpu: on TorchTPU's "tpu" tensors, once scripts/torch_tpu_setup.sh
+#             is ready)
 #
 # Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
 set -uo pipefail
@@ -59,7 +61,11 @@ raw() {  # raw ALTERNATIVE MODEL CLIENTS PRECISION: one worker's events as they 
     \"config\": {\"model\": \"$2\", \"clients\": $3, \"steps\": ${STEPS:-5}, \"batch\": ${BATCH:-10},
     \"device\": \"tpu\", \"precision\": \"$4\"}}"
   local env=()
-  [[ $1 == torch* ]] && env=(JAX_PLATFORMS=cpu)
+  if [[ $1 == *_torchtpu* ]]; then  # TorchTPU holds the chip (scripts/torch_tpu_setup.sh)
+    env=(JAX_PLATFORMS=cpu "PYTHONPATH=/tmp/tt_site:$PYTHONPATH:/tmp/tt_deps")
+  elif [[ $1 == torch* ]]; then
+    env=(JAX_PLATFORMS=cpu)
+  fi
   printf 'round\nround\nround\nquit\n' | env "${env[@]}" timeout -k 5 "${RAW_S:-120}" python3 \
     -m benchmarks.workers.users "$spec" 2>&1 | grep -E '"event"|Error' \
     | sed "s/^/tpu_bench: raw $1 $2 c$3 $4: /" | tee -a "$OUT/bench_raw.txt"

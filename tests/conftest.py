@@ -13,8 +13,9 @@ An `x64`-marked test collected with x64 off is skipped, its reason naming BRIDGE
 test that leaves the process-wide x64 or promotion setting changed fails.
 
 On a TPU host every leg runs on JAX's CPU devices, except the TPU leg that scripts/tpu_check.sh
-runs: `BRIDGE_MR_TPU=1 pytest -m tpu`, where JAX holds the chip. A `tpu`-marked test is skipped
-elsewhere, its reason naming that command.
+runs: `BRIDGE_MR_TPU=1 pytest -m tpu`, where JAX holds the chip, and the TorchTPU leg,
+`BRIDGE_MR_TORCH_TPU=1 pytest -m torch_tpu`, where TorchTPU (torch_tpu) holds it and JAX stays on
+the CPU. A `tpu` / `torch_tpu`-marked test is skipped elsewhere, its reason naming its command.
 
 XLA_FLAGS (8 simulated CPU devices, nothing else: bridge_mr chooses XLA's CPU options per
 program) must be set before JAX creates its CPU backend, so this runs at import time of the
@@ -60,6 +61,13 @@ def _tpu_leg_requested() -> bool:
     return value == "1"
 
 
+def _torch_tpu_leg_requested() -> bool:
+    value = os.environ.get("BRIDGE_MR_TORCH_TPU", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"BRIDGE_MR_TORCH_TPU must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _chip_for_the_tpu_leg_only() -> None:
     """On a TPU host (libtpu installed), every leg but the TPU leg runs on JAX's CPU devices:
     their meshes of 8 devices are the host's simulated CPU devices, as on any other machine,
@@ -71,12 +79,23 @@ def _chip_for_the_tpu_leg_only() -> None:
 
 
 _TPU = _tpu_leg_requested()
+_TORCH_TPU = _torch_tpu_leg_requested()
+_TORCH_TPU_COMMAND = "BRIDGE_MR_TORCH_TPU=1 pytest -m torch_tpu (scripts/tpu_check.sh, torch_tpu)"
 _TPU_COMMAND = "BRIDGE_MR_TPU=1 pytest -m tpu (scripts/tpu_check.sh on a TPU host)"
 _configure_xla_flags()
 _chip_for_the_tpu_leg_only()
 _decisions_in_a_temporary_directory()
 _X64 = _x64_requested()
 _X64_COMMAND = "BRIDGE_MR_X64=1 pytest -m x64"
+
+if _TORCH_TPU:
+    import warnings
+
+    # `import torch` loads torch_tpu, whose import reaches torch's own deprecated
+    # `torch.jit.script_method` (torch 2.13); warnings are errors only from collection on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch  # noqa: F401
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -109,6 +128,14 @@ def _has_cuda() -> bool:
         return False
 
 
+def _has_torch_tpu() -> bool:
+    """Whether torch has TorchTPU's "tpu" device with a chip (`import torch` loads torch_tpu)."""
+    import torch
+
+    found = torch.accelerator.current_accelerator()
+    return found is not None and found.type == "tpu" and torch.accelerator.device_count() > 0
+
+
 _MISSING = {
     "xla": (
         lambda: importlib.util.find_spec("torch_xla") is None,
@@ -122,6 +149,10 @@ _MISSING = {
     "tpu": (
         lambda: not (_TPU and jax.devices()[0].platform == "tpu"),
         f"needs a TPU that JAX holds: run {_TPU_COMMAND}",
+    ),
+    "torch_tpu": (
+        lambda: not (_TORCH_TPU and _has_torch_tpu()),
+        f"needs a TPU that TorchTPU holds (JAX on the CPU): run {_TORCH_TPU_COMMAND}",
     ),
 }
 

@@ -78,6 +78,8 @@ def _env(device: str, alternative: str | None = None) -> dict[str, str]:
             env.setdefault(key, value)
     if device == "tpu" and alternative is not None and alternative.startswith("torch"):
         env["JAX_PLATFORMS"] = "cpu"
+    if alternative is not None and accelerator.on_torch_tpu(alternative):
+        env["JAX_PLATFORMS"] = "cpu"  # TorchTPU holds the chip; JAX only traces.
     return env
 
 
@@ -255,7 +257,9 @@ def run(
     chosen = tuple(
         a
         for a in (ctx.round_alternatives or ())
-        if a in accelerator.ALTERNATIVES or a.startswith(("bridge_mr:", "bridge_mr_resident:"))
+        if a in accelerator.ALTERNATIVES
+        or a.startswith(("bridge_mr:", "bridge_mr_resident:", "bridge_mr_torchtpu:"))
+        or a in accelerator.TORCH_TPU_ALTERNATIVES
     )
     alternatives = chosen or accelerator.ALTERNATIVES
     note = (
@@ -265,8 +269,9 @@ def run(
         "one map_reduce forward+backward of the overhead case's MLP (4 clients, width 8). "
         "bridge_mr = strategy auto; bridge_mr:NAME[:CHUNK] forced; bridge_mr_resident = auto "
         "with the client data held as JAX arrays where the program runs (data on the chip: "
-        "FederatedDataset.to(jax_device)). pure_jax = jax.jit(jax.vmap) "
-        "of the same converted client, the floor. FLOPs: matmul/conv work of one call "
+        "FederatedDataset.to(jax_device)); *_torchtpu = on TorchTPU's 'tpu' tensors. "
+        "pure_jax = jax.jit(jax.vmap) of the same converted client, the floor. FLOPs: "
+        "matmul/conv work of one call "
         "(bridge_mr.auto.cost of the vmap program), the same for every alternative."
     )
     with report.case_result("accelerator", TITLE, UNIT, note) as case:

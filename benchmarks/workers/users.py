@@ -94,8 +94,8 @@ def _device_peaks(device: str) -> dict[str, float]:
 
 def _auto_choice(alternative: str) -> str | None:
     """What `strategy="auto"` picked in this process (the last choice), for "bridge_mr" and
-    "bridge_mr_resident"."""
-    if alternative not in ("bridge_mr", "bridge_mr_resident"):
+    "bridge_mr_resident" and "bridge_mr_torchtpu"."""
+    if alternative not in ("bridge_mr", "bridge_mr_resident", "bridge_mr_torchtpu"):
         return None
     import bridge_mr
 

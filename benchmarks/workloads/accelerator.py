@@ -20,6 +20,9 @@ parameters after the round; the tiny call's gradients), its tensors created on t
   then `.mean().backward()`).
 * "bridge_mr": the documented path, `strategy="auto"`; "bridge_mr:NAME" forces a strategy,
   "bridge_mr:chunks:16" chunks of 16 clients.
+* "torch_loop_torchtpu", "bridge_mr_torchtpu[:NAME]": the same on TorchTPU's "tpu" tensors
+  (`torch_tpu`, in a process where JAX stays on the CPU: `JAX_PLATFORMS=cpu`): the torch loop
+  run by TorchTPU, and bridge_mr's programs run on the chip by TorchTPU.
 * "pure_jax": the floor, `jax.jit(jax.vmap(...))` over clients of the same converted client
   (`from_torch` + `local_training`), the mean delta and the server step (tiny: `jax.jit` of
   `jax.value_and_grad` of the same `jax_core` program), on the JAX device of the same kind
@@ -54,6 +57,8 @@ ALTERNATIVES = (
     "bridge_mr:chunks:16",
     "pure_jax",
 )
+#: The alternatives on TorchTPU's "tpu" tensors, measured when named (they need torch_tpu).
+TORCH_TPU_ALTERNATIVES = ("torch_loop_torchtpu", "bridge_mr_torchtpu")
 #: GPT-2 "gpt2_128": the zoo's config fields replaced, and its sequence length.
 GPT2_128 = {"n_embd": 128, "n_positions": 64}
 GPT2_128_SEQ = 32
@@ -177,10 +182,11 @@ def _family(model: str) -> str:
     return "gpt2" if model == "gpt2_128" else model
 
 
-def _torch_data(cfg: AcceleratorConfig) -> dict[str, Any]:
+def _torch_data(cfg: AcceleratorConfig, device: str | None = None) -> dict[str, Any]:
     import torch
 
-    return {k: torch.from_numpy(v).to(cfg.tensor_device) for k, v in data(cfg).items()}
+    on = device or cfg.tensor_device
+    return {k: torch.from_numpy(v).to(on) for k, v in data(cfg).items()}
 
 
 def _jax_device(device: str) -> Any:
@@ -211,8 +217,17 @@ def _resident(alternative: str) -> bool:
     return alternative.split(":")[0] == "bridge_mr_resident"
 
 
+def on_torch_tpu(alternative: str) -> bool:
+    """Whether `alternative`'s tensors are TorchTPU's ("tpu"): "..._torchtpu[:STRATEGY]"."""
+    return alternative.split(":")[0].endswith("_torchtpu")
+
+
+def _tensor_device(cfg: AcceleratorConfig, alternative: str) -> str:
+    return "tpu" if on_torch_tpu(alternative) else cfg.tensor_device
+
+
 def _strategy(alternative: str) -> dict[str, Any]:
-    """ "bridge_mr[_resident][:STRATEGY[:CHUNK]]" -> map_reduce's keyword arguments."""
+    """ "bridge_mr[_resident|_torchtpu][:STRATEGY[:CHUNK]]" -> map_reduce's keyword arguments."""
     parts = alternative.split(":")
     options: dict[str, Any] = {}
     if len(parts) > 1:
@@ -227,16 +242,22 @@ def _strategy(alternative: str) -> dict[str, Any]:
 
 def round_bridge_mr(cfg: AcceleratorConfig, alternative: str) -> Callable[[], Any]:
     """The documented round on the device (`users.bridge_mr_round`)."""
-    net = build_model(cfg.model).to(cfg.tensor_device)
+    device = _tensor_device(cfg, alternative)
+    net = build_model(cfg.model).to(device)
     local = _local(cfg, net)
-    batches = _jax_tree(data(cfg), cfg.device) if _resident(alternative) else _torch_data(cfg)
+    if _resident(alternative):
+        batches = _jax_tree(data(cfg), cfg.device)
+    else:
+        batches = _torch_data(cfg, device)
     return users.bridge_mr_round(net, batches, local, **_strategy(alternative))
 
 
-def round_torch_loop(cfg: AcceleratorConfig) -> Callable[[], Any]:
+def round_torch_loop(cfg: AcceleratorConfig, alternative: str) -> Callable[[], Any]:
     """A plain torch loop on the device (`users.torch_loop_round`)."""
-    server = build_model(cfg.model).to(cfg.tensor_device)
-    return users.torch_loop_round(_family(cfg.model), server, _torch_data(cfg), cfg.steps, cfg.lr)
+    device = _tensor_device(cfg, alternative)
+    server = build_model(cfg.model).to(device)
+    batches = _torch_data(cfg, device)
+    return users.torch_loop_round(_family(cfg.model), server, batches, cfg.steps, cfg.lr)
 
 
 def round_torch_vmap(cfg: AcceleratorConfig) -> Callable[[], Any]:
@@ -379,13 +400,15 @@ def build(alternative: str, cfg: AcceleratorConfig) -> Callable[[], Any]:
         return tiny_call(cfg, alternative)
     if alternative.startswith("bridge_mr"):
         return round_bridge_mr(cfg, alternative)
+    if alternative in ("torch_loop", "torch_loop_torchtpu"):
+        return round_torch_loop(cfg, alternative)
     builders: dict[str, Callable[[AcceleratorConfig], Callable[[], Any]]] = {
-        "torch_loop": round_torch_loop,
         "torch_vmap": round_torch_vmap,
         "pure_jax": round_pure_jax,
     }
     if alternative not in builders:
-        raise ValueError(f"unknown alternative {alternative!r}; expected one of {ALTERNATIVES}")
+        known = (*ALTERNATIVES, *TORCH_TPU_ALTERNATIVES)
+        raise ValueError(f"unknown alternative {alternative!r}; expected one of {known}")
     return builders[alternative](cfg)
 
 

@@ -120,8 +120,9 @@ def choose(
 
 
 def _measurable(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether timing calls now means something: torch CPU / CUDA tensors, no transform."""
-    if not tensors or any(t.device.type not in ("cpu", "cuda") for t in tensors):
+    """Whether timing calls now means something: torch CPU, CUDA or TorchTPU tensors (not
+    torch-xla's lazy ones), no transform."""
+    if not tensors or any(t.device.type not in ("cpu", "cuda", "tpu") for t in tensors):
         return False
     return not (torch_compat.functorch_transforms_active() or torch_compat.forward_ad_active())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ class DeviceDescription:
     """What `auto` knows of a device.
 
     Attributes:
-      platform: "cpu", or the accelerator's: "gpu" (CUDA), "tpu".
+      platform: "cpu", or the accelerator's: "gpu" (CUDA), "tpu" (JAX's), "torch_tpu" (a TPU
+        that TorchTPU holds, running the programs JAX exports for it).
       name: the device's name ("cpu", "NVIDIA H200", ...), part of a decision's name on disk.
       memory_bytes: its memory (the host's physical memory for "cpu").
 
@@ -40,7 +42,7 @@ class DeviceDescription:
 
 
 def describe(device: torch.device) -> DeviceDescription:
-    """The description of a torch device (CPU or CUDA).
+    """The description of a torch device (CPU, CUDA or TorchTPU's "tpu").
 
     Args:
       device: the round's tensors' device.
@@ -56,6 +58,11 @@ def describe(device: torch.device) -> DeviceDescription:
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
         return DeviceDescription("gpu", properties.name, int(properties.total_memory))
+    if device.type == "tpu":  # TorchTPU's; its `get_device_properties` warns it is experimental.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            properties = torch.get_device_module("tpu").get_device_properties(device)
+        return DeviceDescription("torch_tpu", properties.name, int(properties.total_memory))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return DeviceDescription("cpu", "cpu", int(memory))
 

@@ -20,6 +20,10 @@ _RULED_OUT_GROUPED_TPU = (
     "convolutions of more groups than AUTO_TPU_MAX_CONV_GROUPS, which a TPU runs slower per "
     "client than one client at a time"
 )
+_RULED_OUT_GROUPED_TORCH_TPU = (
+    "ruled out: it would vmap the client's convolutions over per-client weights into "
+    "convolutions of more groups than AUTO_TORCH_TPU_MAX_CONV_GROUPS (TorchTPU's TPU)"
+)
 _RULED_OUT_GROUPED_GPU = (
     "ruled out: it would vmap the client's convolutions over per-client weights into "
     "convolutions of more groups than AUTO_GPU_MAX_CONV_GROUPS, which a GPU runs slower per "
@@ -57,9 +61,12 @@ def ruled_out(
     """The candidates the cost model rules out on `device`, and why (a candidate it cannot
     read stays): those over the budget, and batched ones whose convolutions vmap groups over
     per-client weights (on CPU any such grouping; on a GPU beyond `AUTO_GPU_MAX_CONV_GROUPS`, on
-    a TPU beyond `AUTO_TPU_MAX_CONV_GROUPS`)."""
+    a TPU beyond `AUTO_TPU_MAX_CONV_GROUPS`, on TorchTPU's beyond
+    `AUTO_TORCH_TPU_MAX_CONV_GROUPS`)."""
     reference = costs.get(("per_client", None))
     on_tpu = device.platform == "tpu"
+    on_torch_tpu = device.platform == "torch_tpu"
+    torch_tpu_groups = settings.AUTO_TORCH_TPU_MAX_CONV_GROUPS
     out: dict[Option, str] = {}
     for option, found in costs.items():
         if found is None:
@@ -73,6 +80,9 @@ def ruled_out(
             out[option] = _RULED_OUT_GROUPED
         elif grouped and on_tpu and found.conv_groups > settings.AUTO_TPU_MAX_CONV_GROUPS:
             out[option] = _RULED_OUT_GROUPED_TPU
+        elif grouped and on_torch_tpu:
+            if torch_tpu_groups is not None and found.conv_groups > torch_tpu_groups:
+                out[option] = _RULED_OUT_GROUPED_TORCH_TPU
         elif grouped and not on_tpu and found.conv_groups > settings.AUTO_GPU_MAX_CONV_GROUPS:
             out[option] = _RULED_OUT_GROUPED_GPU
         elif found.peak_bytes > budget:

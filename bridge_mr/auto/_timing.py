@@ -18,6 +18,9 @@ from ._report import Option
 
 TOO_FAST = "not tried: vmap takes under AUTO_MIN_SECONDS"
 
+# Device types whose torch ops run asynchronously: timing waits for them.
+_ASYNC = ("cuda", "tpu")
+
 
 def time_candidates(
     args: tuple[Any, ...],
@@ -29,7 +32,7 @@ def time_candidates(
     """Times `ranked` in order (`AUTO_TIMING`): each one's first call (which compiles, and whose
     program `kind.keeping` keeps), one timed call, then more calls for those that can still
     win; within `AUTO_TIME_BOX`. Returns the times and why the others were not timed."""
-    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    device = next((t.device for t in tensors if t.device.type in _ASYNC), None)
     times: dict[Option, list[float]] = {}
     calls: dict[Option, Callable[[], None]] = {}
     skipped: dict[Option, str] = {}
@@ -49,15 +52,15 @@ def time_candidates(
         def call(option: Option = option) -> None:
             backward(kind.keeping(*args, *option), grads)
 
-        seconds = kind.agree_seconds(timed(call, cuda))  # Traces and compiles.
+        seconds = kind.agree_seconds(timed(call, device))  # Traces and compiles.
         first = first or seconds
-        times[option] = [kind.agree_seconds(timed(call, cuda))]
+        times[option] = [kind.agree_seconds(timed(call, device))]
         spent += seconds + times[option][0]
         calls[option] = call
     best = min(t[0] for t in times.values())
     for option, found in times.items():
         while len(found) < settings.AUTO_REPEATS and found[-1] <= settings.AUTO_GIVE_UP * best:
-            found.append(kind.agree_seconds(timed(calls[option], cuda)))
+            found.append(kind.agree_seconds(timed(calls[option], device)))
     return times, skipped
 
 
@@ -72,12 +75,20 @@ def backward(out: PyTree, grads: Sequence[torch.Tensor]) -> None:
         )
 
 
-def timed(call: Callable[[], None], cuda: torch.device | None) -> float:
-    """Seconds one `call` takes (synchronising `cuda`, if any, before and after)."""
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
+def timed(call: Callable[[], None], device: torch.device | None) -> float:
+    """Seconds one `call` takes (synchronising `device`, a CUDA or TorchTPU device whose ops
+    run asynchronously, if any, before and after)."""
+    _synchronize(device)
     start = time.perf_counter()
     call()
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
+    _synchronize(device)
     return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device | None) -> None:
+    if device is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    else:
+        torch.accelerator.synchronize(device)

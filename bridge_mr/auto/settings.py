@@ -33,6 +33,9 @@ AUTO_GPU_MAX_CONV_GROUPS = 64
 #: client data on the chip: per_client 263 ms, chunks of 16 476 ms, vmap 609 ms, chunks of 128
 #: 905 ms (docs/tpu.md).
 AUTO_TPU_MAX_CONV_GROUPS = 1
+#: On a TPU that TorchTPU runs ("tpu" tensors), the same; None: no grouping is ruled out. On a
+#: v5e, the same round from "tpu" tensors (TorchTPU 0.2.0): vmap 650 ms, per_client 954 ms.
+AUTO_TORCH_TPU_MAX_CONV_GROUPS: int | None = None
 #: Time the candidates the cost model leaves, rather than take its favourite. Each timed
 #: candidate is compiled and run (its program kept) a few times, which costs about one first
 #: call each: measuring on a first call what the cost model cannot see.

@@ -14,6 +14,8 @@ from ._cpu import cpu_compiler_options as cpu_compiler_options
 from ._cpu import cpu_program as cpu_program
 from ._grouped import matmul_convolutions as matmul_convolutions
 from ._layouts import canonical_layouts as canonical_layouts
+from ._layouts import program_platform as program_platform
+from ._layouts import programs_for as programs_for
 from ._map_reduce import map_reduce as map_reduce
 from ._maps import map_p as map_p
 from ._mesh import ambient_mesh as ambient_mesh
@@ -46,6 +48,8 @@ __all__ = [
     "matmul_convolutions",
     "mean_p",
     "program",
+    "program_platform",
+    "programs_for",
     "reduce_mean",
     "reduce_sum",
     "reduce_weighted_mean",

@@ -14,7 +14,9 @@ loops XLA finds the transposes it would have inserted itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -26,6 +28,49 @@ from jax.extend.core.primitives import conv_general_dilated_p
 from ._rewrite import equations, rewritten
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "bridge_mr_program_platform", default=None
+)
+
+
+@contextlib.contextmanager
+def programs_for(platform: str) -> Iterator[None]:
+    """Programs traced inside are for `platform` ("tpu", say), not JAX's default backend.
+
+    For programs JAX only traces and exports, to run elsewhere: beside TorchTPU, JAX is kept
+    to the CPU, and `map_reduce` would otherwise lay out its convolutions for XLA:CPU.
+
+    Args:
+      platform: the platform the programs will run on ("cpu", "cuda", "tpu").
+
+    Yields:
+      Nothing; inside, `program_platform()` is `platform`.
+
+    Example:
+      >>> from bridge_mr.jax_core import program_platform, programs_for
+      >>> with programs_for("tpu"):
+      ...     program_platform()
+      'tpu'
+    """
+    token = _PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+def program_platform() -> str:
+    """The platform the programs traced now are for: `programs_for`'s, else JAX's default.
+
+    Returns:
+      A platform name ("cpu", "cuda", "tpu").
+
+    Example:
+      >>> bridge_mr.jax_core.program_platform() == jax.default_backend()
+      True
+    """
+    return _PLATFORM.get() or jax.default_backend()
 
 
 def canonical_layouts(fn: F) -> F:

@@ -15,9 +15,9 @@ All strategies compute the same values and gradients; they differ in speed and m
   gradient alike. (`lax.map(batch_size=...)` does not bound memory this way: its gradient keeps
   every chunk's residuals.)
 
-On CPU the client function runs through `canonical_layouts`: its convolutions, which the loops
-of "per_client" and "chunks" (and a scan of local steps inside `fn`) would otherwise keep out of
-XLA:CPU's fast layout.
+For CPU programs (`program_platform()`) the client function runs through `canonical_layouts`:
+its convolutions, which the loops of "per_client" and "chunks" (and a scan of local steps
+inside `fn`) would otherwise keep out of XLA:CPU's fast layout.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ._arguments import (
     check_weights,
     client_count,
 )
-from ._layouts import canonical_layouts
+from ._layouts import canonical_layouts, program_platform
 from ._mesh import AnyMesh, placement_mesh
 from ._program import Placement, program
 
@@ -117,7 +117,7 @@ def map_reduce(
     if weights is not None:
         check_weights(weights, n)
     client_fn = ArrayResults(fn)
-    if jax.default_backend() == "cpu":
+    if program_platform() == "cpu":
         client_fn = canonical_layouts(client_fn)
     with program(placements={placement: n}) as where:
         if strategy == "vmap":

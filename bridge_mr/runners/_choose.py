@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from bridge_mr import distributed
 from bridge_mr._dtypes import Aval
 
-from . import _dlpack, _processes, _xla
+from . import _dlpack, _processes, _torch_tpu, _xla
 from ._protocols import Jitted, Runner
 
 
@@ -29,7 +29,7 @@ def runner_for(
     out_per_rank: Sequence[bool] = (),
     device: Any = None,
 ) -> Runner:
-    """The runner of `program` for tensors of `device_type` ("cpu", "cuda" or "xla").
+    """The runner of `program` for tensors of `device_type` ("cpu", "cuda", "xla" or "tpu").
 
     Args:
       device_type: the device type of the call's tensors.
@@ -60,6 +60,13 @@ def runner_for(
       >>> run = runner_for("cpu", jax.jit(lambda x: [x + 1]), [((3,), f32)], 1, None)
       >>> (y,), carried = run([torch.zeros(3)], [])
     """
+    if device_type == "tpu" and (layout is not None or mesh is not None):
+        raise NotImplementedError(
+            "bridge_mr: TorchTPU tensors run a round on one chip, without a JAX mesh or several "
+            "processes (TorchTPU holds the chip; JAX here only traces). Drop the mesh / layout, "
+            "or run the round on CPU tensors with JAX holding the chips (JAX_PLATFORMS unset): "
+            "bridge_mr then runs it on JAX's default device or over the mesh's devices."
+        )
     if layout is not None:
         if device_type == "xla":
             raise NotImplementedError(
@@ -79,6 +86,8 @@ def runner_for(
         )
     if device_type == "xla":
         return _xla.XlaRunner(jitted, [*in_avals, *carried_avals], n_exported, names)
+    if device_type == "tpu":
+        return _torch_tpu.TorchTpuRunner(jitted, [*in_avals, *carried_avals], n_exported, names)
     return _dlpack.DlpackRunner(jitted, in_avals, n_exported, mesh, compiler_options, names, device)
 
 
@@ -86,8 +95,11 @@ def trace_context(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """The JAX context to trace a program for `device_type` in; its runner lowers in the same.
 
     On torch-xla: torch-xla's global SPMD mesh as an Auto abstract mesh (unless the caller set
-    a JAX mesh) and GSPMD partitioning. On CPU and CUDA: the caller's context, unchanged.
+    a JAX mesh) and GSPMD partitioning. On TorchTPU: programs for the TPU
+    (`jax_core.programs_for`), JAX itself on the CPU. On CPU and CUDA: the caller's context.
     """
     if device_type == "xla":
         return _xla.trace_context()
+    if device_type == "tpu":
+        return _torch_tpu.trace_context()
     return _dlpack.trace_context()

@@ -36,12 +36,13 @@ import torch
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bridge_mr import _caches, _dtypes, jax_core
+from bridge_mr import _caches, jax_core
 from bridge_mr._compat import jax as jax_compat
 from bridge_mr._compat import torch_xla as torch_xla_compat
 from bridge_mr._dtypes import Aval
 from bridge_mr.dlpack import tensor_avals
 
+from ._narrowing import narrow, narrowable, positional
 from ._protocols import Jitted
 
 # jax_fn -> {(input signature, JAX's trace context, the caller's JAX mesh, the lowering mesh):
@@ -84,18 +85,13 @@ class XlaRunner:
     ) -> None:
         self._embedded = _embed(jitted, list(in_avals), check_flat=False)
         self._n_exported = n_exported
-        self._narrowable = _narrowable(in_avals)
+        self._narrowable = narrowable(in_avals)
         self._names = names
 
     def __call__(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
     ) -> tuple[list[torch.Tensor], list[Any]]:
-        inputs = [*tensors, *carried]
-        if self._narrowable:
-            names = self._names
-            inputs = _narrow(
-                inputs, self._narrowable, _positional if names is None else names.__getitem__
-            )
+        inputs = narrow([*tensors, *carried], self._narrowable, self._names)
         outputs = list(self._embedded(inputs))
         n = self._n_exported
         return outputs[:n], outputs[n:]
@@ -138,7 +134,7 @@ def call_jax_on_xla(
     """
     tensors = list(tensors)
     _check_tensors(tensors)
-    avals = list(tensor_avals(tensors, [_positional(i) for i in range(len(tensors))]))
+    avals = list(tensor_avals(tensors, [positional(i) for i in range(len(tensors))]))
     key = (
         tuple(avals),
         jax_compat.trace_context(),
@@ -156,9 +152,7 @@ def call_jax_on_xla(
     embedded = per_fn.get(key)
     if embedded is None:
         embedded = per_fn[key] = _embed(jax_fn, avals, check_flat=True)
-    narrowable = _narrowable(avals)
-    if narrowable:
-        tensors = _narrow(tensors, narrowable, _positional)
+    tensors = narrow(tensors, narrowable(avals), None)
     return list(embedded(tensors))
 
 
@@ -255,35 +249,6 @@ def _check_tensors(tensors: list[torch.Tensor]) -> None:
                 f"the torch-xla graph and needs every tensor on the XLA device; move it with "
                 f"`tensor.to(torch_xla.device())`."
             )
-
-
-def _positional(index: int) -> str:
-    return f"tensors[{index}]"
-
-
-def _narrowable(avals: Sequence[Aval]) -> tuple[int, ...]:
-    """The inputs a 64-bit integer tensor may be given for (x64 off): those of int32 / uint32."""
-    return tuple(i for i, (_, dtype) in enumerate(avals) if dtype in _dtypes.NARROW_TARGETS)
-
-
-def _narrow(inputs: list[Any], indices: Sequence[int], name_of: Callable[[int], str]) -> list[Any]:
-    """`inputs` with each int64 / uint64 tensor among `indices` cast to int32 / uint32 in the graph.
-
-    Their values are checked first, all with one device read (the sync).
-
-    Raises:
-      ValueError: a value does not fit (`bridge_mr._dtypes.check_narrowable`).
-    """
-    targets = {i: _dtypes.narrowed(inputs[i].dtype) for i in indices}
-    wide = {i: target for i, target in targets.items() if target is not None}
-    if not wide:
-        return inputs
-    found = torch.stack([_dtypes.extremes(inputs[i]) for i in wide]).cpu().tolist()
-    narrowed = list(inputs)
-    for (i, target), (low, high) in zip(wide.items(), found, strict=True):
-        _dtypes.check_narrowable(name_of(i), inputs[i].dtype, low, high)
-        narrowed[i] = inputs[i].to(target)
-    return narrowed
 
 
 def _embed(jax_fn: Callable[..., Any], avals: list[Aval], *, check_flat: bool) -> _Embedded:

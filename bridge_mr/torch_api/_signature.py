@@ -18,7 +18,7 @@ from bridge_mr import distributed, jax_core
 from bridge_mr._compat import torch as torch_compat
 from bridge_mr.dlpack import host_device, host_program_device
 
-_DEVICE_TYPES = ("cpu", "cuda", "xla")
+_DEVICE_TYPES = ("cpu", "cuda", "xla", "tpu")
 
 
 class _TensorSlot:
@@ -125,8 +125,9 @@ def check_tensor(name: str, tensor: torch.Tensor, where: str) -> None:
         )
     if kind not in _DEVICE_TYPES:
         raise TypeError(
-            f"{name}: {where} is on device {tensor.device}; bridge_mr runs JAX on CPU, CUDA "
-            "and torch-xla tensors. Move it with .to('cpu') (or to a CUDA or XLA device) first."
+            f"{name}: {where} is on device {tensor.device}; bridge_mr runs JAX on CPU, CUDA, "
+            "torch-xla and TorchTPU ('tpu') tensors. Move it with .to('cpu') (or to one of "
+            "those devices) first."
         )
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import zoo
+from helpers import chip
 from helpers.precision import leaf_errors, torch_value_and_grads
 
 import bridge_mr
@@ -34,50 +34,6 @@ def _torch_precision_restored() -> Iterator[None]:
     torch.set_float32_matmul_precision(before)
 
 
-# The activation is rational, not tanh: the chip's transcendental functions are accurate to
-# about 1e-5 relative (tanh moved these gradients by 2e-5 at "highest"), which would hide the
-# products' precision that these tests check.
-def _matmul_client(server: dict[str, Any], batch: dict[str, Any]) -> Any:
-    h = batch["x"] @ server["w1"]
-    h = h / (1 + h * h)
-    return jnp.mean((h @ server["w2"] - batch["y"]) ** 2)
-
-
-def _torch_matmul_loss(server: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> Any:
-    losses = []
-    for x, y in zip(batch["x"], batch["y"], strict=True):
-        h = x @ server["w1"]
-        h = h / (1 + h * h)
-        losses.append(torch.mean((h @ server["w2"] - y) ** 2))
-    return torch.stack(losses).mean()
-
-
-def _matmul_case() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    server = {
-        "w1": torch.randn(256, 256, generator=g) / 16,
-        "w2": torch.randn(256, 8, generator=g) / 16,
-    }
-    batch = {"x": torch.randn(12, 32, 256, generator=g), "y": torch.randn(12, 32, 8, generator=g)}
-    return server, batch
-
-
-def _bridge_value_and_grads(
-    server: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], **options: Any
-) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
-    leaves = {k: v.clone().requires_grad_() for k, v in {**server, **batch}.items()}
-    loss = bridge_mr.map_reduce(
-        _matmul_client,
-        {k: leaves[k] for k in server},
-        {k: leaves[k] for k in batch},
-        **options,
-    )
-    loss.backward()
-    grads = {k: v.grad for k, v in leaves.items()}
-    assert all(g is not None and g.device.type == "cpu" for g in grads.values())
-    return loss.item(), grads, loss  # type: ignore[return-value]
-
-
 def test_the_chip_is_where_host_tensors_run() -> None:
     device = bridge_mr.dlpack.host_program_device()
     assert device is not None
@@ -88,106 +44,59 @@ def test_the_chip_is_where_host_tensors_run() -> None:
 
 @pytest.mark.parametrize(("strategy", "chunk_size"), _STRATEGIES)
 def test_host_tensors_on_the_chip_equal_torch_at_highest(strategy: str, chunk_size: Any) -> None:
-    server, batch = _matmul_case()
-    want_value, want = torch_value_and_grads(_torch_matmul_loss, server, batch)
-    value, grads, loss = _bridge_value_and_grads(
-        server, batch, strategy=strategy, chunk_size=chunk_size
-    )
+    server, batch = chip.matmul_case()
+    want_value, want = torch_value_and_grads(chip.torch_matmul_loss, server, batch)
+    options = {"strategy": strategy, "chunk_size": chunk_size}
+    loss, grads = chip.bridge_value_and_grads(server, batch, "cpu", **options)
     assert loss.device.type == "cpu"
     assert loss.dtype == torch.float32
-    assert abs(value - want_value) <= 1e-5 * abs(want_value)
+    assert abs(loss.item() - want_value) <= 1e-5 * abs(want_value)
     errors = leaf_errors(grads, want)
     assert max(errors.values()) <= 1e-5, errors
 
 
 def test_torch_precision_setting_governs_and_takes_effect_between_calls() -> None:
-    server, batch = _matmul_case()
-    _, want = torch_value_and_grads(_torch_matmul_loss, server, batch)
-    worst = {}
-    for precision in ("highest", "medium", "high", "highest"):
-        torch.set_float32_matmul_precision(precision)
-        _, grads, _ = _bridge_value_and_grads(server, batch, strategy="vmap")
-        worst[precision] = max(leaf_errors(grads, want).values())
-        if precision == "highest":
-            assert worst[precision] <= 1e-5, worst
-    # One bfloat16 pass: bfloat16's 8 bits of mantissa, not float32's; three passes between.
-    assert 1e-4 < worst["medium"] < 3e-2, worst
-    assert worst["high"] < worst["medium"] / 10, worst
+    chip.check_precision_governs("cpu")
 
 
 def test_the_cpu_stays_available_with_jax_default_device() -> None:
-    server, batch = _matmul_case()
-    _, want = torch_value_and_grads(_torch_matmul_loss, server, batch)
+    server, batch = chip.matmul_case()
+    _, want = torch_value_and_grads(chip.torch_matmul_loss, server, batch)
     torch.set_float32_matmul_precision("medium")  # Irrelevant on the CPU: exact float32.
     with jax.default_device(jax.devices("cpu")[0]):
-        _, grads, _ = _bridge_value_and_grads(server, batch, strategy="vmap")
+        _, grads = chip.bridge_value_and_grads(server, batch, "cpu", strategy="vmap")
     assert max(leaf_errors(grads, want).values()) <= 1e-5
 
 
 def test_from_torch_cnn_with_batchnorm_on_the_chip() -> None:
-    model = zoo.tiny("cnn_batchnorm")
-    data = zoo.tiny_data("cnn_batchnorm", 6, 8)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-    torch_loss = zoo.tiny_loss(model)
-
-    def client(state: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> Any:
-        return torch_loss(state, batch["x"], batch["y"])
-
-    def loop(p: dict[str, torch.Tensor], d: dict[str, torch.Tensor]) -> torch.Tensor:
-        losses = [
-            torch_loss({**p, **{k: v.double() for k, v in buffers.items()}}, x, y)
-            for x, y in zip(d["x"], d["y"], strict=True)
-        ]
-        return torch.stack(losses).mean()
-
-    want_value, want = torch_value_and_grads(loop, params, data)
-    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    converted = bridge_mr.from_torch(client, mutable=0)
-    loss, new_state = bridge_mr.map_reduce(converted, {**leaves, **buffers}, data)
+    case = chip.cnn_batchnorm_case()
+    leaves = {k: v.clone().requires_grad_() for k, v in case.params.items()}
+    server = case.server(leaves, case.buffers)
+    loss, new_state = bridge_mr.map_reduce(case.client, server, case.data)
     loss.backward()
-    assert abs(loss.item() - want_value) <= 1e-4 * abs(want_value)
-    errors = leaf_errors({k: v.grad for k, v in leaves.items()}, {k: want[k] for k in params})
+    assert abs(loss.item() - case.want_value) <= 1e-4 * abs(case.want_value)
+    errors = leaf_errors({k: v.grad for k, v in leaves.items()}, case.want)
     assert max(errors.values()) <= 1e-4, errors
     # The running statistics come back, averaged over the clients, on the host.
     assert new_state["bn.running_mean"].device.type == "cpu"
-    assert not torch.equal(new_state["bn.running_mean"], buffers["bn.running_mean"])
+    assert not torch.equal(new_state["bn.running_mean"], case.buffers["bn.running_mean"])
 
 
 def test_from_torch_gpt2_on_the_chip() -> None:
     pytest.importorskip("transformers")
-    entry = zoo.ZOO["gpt2"]
-    model = zoo.build("gpt2")
-    params, buffers = zoo.split_state(model)
-    g = torch.Generator().manual_seed(3)
-    batches = [entry.batch(g, 2) for _ in range(4)]
-    data = {k: torch.stack([b[k] for b in batches]) for k in batches[0]}
-    loss_fn = zoo.client_loss(entry, model)
-    converted = bridge_mr.from_torch(loss_fn)
-
-    def fedsgd(server: dict[str, Any], batch: dict[str, Any]) -> Any:
-        return converted(server["params"], server["buffers"], batch)
-
-    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    loss = bridge_mr.map_reduce(fedsgd, {"params": leaves, "buffers": buffers}, data)
+    case = chip.gpt2_case()
+    leaves = {k: v.clone().requires_grad_() for k, v in case.params.items()}
+    loss = bridge_mr.map_reduce(case.client, case.server(leaves, case.buffers), case.data)
     loss.backward()
-    # The reference: a float32 torch loop on the host (GPT-2's float64 differs more from
-    # float32 than the chip's float32 does).
-    torch_leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    per_client = [loss_fn(torch_leaves, buffers, {k: data[k][i] for k in data}) for i in range(4)]
-    want_value = torch.stack(per_client).mean()
-    want_value.backward()
-    assert abs(loss.item() - want_value.item()) <= 1e-4 * abs(want_value.item())
-    errors = leaf_errors(
-        {k: v.grad for k, v in leaves.items()}, {k: v.grad for k, v in torch_leaves.items()}
-    )
+    assert abs(loss.item() - case.want_value) <= 1e-4 * abs(case.want_value)
+    errors = leaf_errors({k: v.grad for k, v in leaves.items()}, case.want)
     assert max(errors.values()) <= 1e-3, errors
 
 
 def test_a_fedavg_round_on_the_chip_equals_the_cpu() -> None:
     """`algorithms.local_training` (4 local SGD steps per client) on the chip and on the CPU."""
     optax = pytest.importorskip("optax")
-    server, batch = _matmul_case()
+    server, batch = chip.matmul_case()
     steps = {k: v.reshape(12, 4, 8, *v.shape[2:]) for k, v in batch.items()}
 
     def local(params: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -210,12 +119,12 @@ def test_client_data_on_the_chip(strategy: str, chunk_size: Any) -> None:
     """A dataset held on the chip (`FederatedDataset.to`): its round gathers there, only the
     parameters cross, and FedAvg's gradients equal those of the same round from host tensors."""
     optax = pytest.importorskip("optax")
-    server, batch = _matmul_case()
+    server, batch = chip.matmul_case()
     ids = torch.arange(12 * 32) % 12
     examples = {k: v.reshape(12 * 32, *v.shape[2:]) for k, v in batch.items()}
     train = bridge_mr.data.FederatedDataset.from_tensors(examples, ids)
-    chip = bridge_mr.dlpack.host_program_device()
-    on_chip = train.to(chip)
+    tpu = bridge_mr.dlpack.host_program_device()
+    on_chip = train.to(tpu)
 
     def local(params: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
         h = b["x"] @ params["w1"]
@@ -232,7 +141,7 @@ def test_client_data_on_the_chip(strategy: str, chunk_size: Any) -> None:
         with bridge_mr.dlpack.count_conversions() as counts:
             bridge_mr.algorithms.outer_step(steps, params, rnd.batches, **options)
         grads.append({k: v.grad for k, v in params.items()})
-    assert all(v.devices() == {chip} for v in rnd.batches.values())
+    assert all(v.devices() == {tpu} for v in rnd.batches.values())
     assert counts.imports <= len(server), counts  # the parameters only
     errors = leaf_errors(grads[1], grads[0])
     assert max(errors.values()) <= 1e-5, errors

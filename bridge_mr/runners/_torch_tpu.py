@@ -1,0 +1,128 @@
+"""Runs programs on TorchTPU tensors (torch device "tpu"): the round stays on the chip.
+
+In a process where TorchTPU (`torch_tpu`) holds the chip, JAX only traces and exports:
+each program is exported once per signature for the TPU (`jax.export`, StableHLO) and run by
+TorchTPU on the "tpu" tensors themselves (`bridge_mr._compat.torch_tpu`), with its results new
+"tpu" tensors. No DLPack and no host round trip; carried values (a VJP's residuals) are "tpu"
+tensors too. JAX must stay off the chip there (`JAX_PLATFORMS=cpu`): one process at a time
+can hold it, and TorchTPU does.
+
+64-bit integers while `jax_enable_x64` is off: as on torch-xla, an int64 / uint64 tensor given
+for an int32 / uint32 input is cast on the device after a check of its values (one device read
+per call for all such tensors together). Cast labels to int32 yourself to avoid it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.export
+import torch
+
+from bridge_mr import _dtypes, jax_core
+from bridge_mr._compat import torch_tpu as torch_tpu_compat
+from bridge_mr._dtypes import Aval
+
+from ._narrowing import narrow, narrowable
+from ._protocols import Jitted
+
+# Names of the kernels this process registered with TorchTPU: one per exported program.
+_NAMES = itertools.count()
+
+
+def check_jax_off_the_chip() -> None:
+    """Raises unless JAX in this process is kept to the CPU, as it must be beside TorchTPU.
+
+    Raises:
+      RuntimeError: JAX may start a TPU backend here (`jax_platforms` is not "cpu").
+    """
+    platforms = jax.config.values.get("jax_platforms") or ""
+    if {p.strip() for p in platforms.split(",") if p.strip()} != {"cpu"}:
+        raise RuntimeError(
+            "bridge_mr: TorchTPU tensors run their programs through TorchTPU, which holds the "
+            "chip; JAX in this process may only trace and export, but jax_platforms is "
+            f"{platforms or 'unset'} (JAX would open the TPU, which one process at a time can "
+            "hold). Fix: set JAX_PLATFORMS=cpu in the environment before Python starts (or "
+            "jax.config.update('jax_platforms', 'cpu') before JAX's first computation)."
+        )
+
+
+def trace_context() -> contextlib.AbstractContextManager[None]:
+    """The JAX context TorchTPU programs are traced and exported in: programs for the TPU."""
+    return jax_core.programs_for("tpu")
+
+
+class TorchTpuRunner:
+    """Runs one program on TorchTPU tensors; carried values are "tpu" tensors.
+
+    The program is exported for the TPU once, at construction, and registered with TorchTPU,
+    which compiles it on the first call.
+
+    Args:
+      jitted: the jitted program.
+      in_avals: shapes and dtypes of its inputs (tensors, then carried values).
+      n_exported: how many leading outputs are returned as exported; the rest are carried.
+      names: what the errors of the int32 / uint32 range check call each tensor input (see
+        `runner_for`); default `tensors[i]`.
+
+    Raises:
+      RuntimeError: JAX may open the TPU in this process (`check_jax_off_the_chip`).
+      ImportError: torch_tpu is missing or of a version bridge_mr was not checked on.
+      TypeError: an output or a carried value has a dtype torch lacks (a typed PRNG key).
+    """
+
+    def __init__(
+        self,
+        jitted: Jitted,
+        in_avals: Sequence[Aval],
+        n_exported: int,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        check_jax_off_the_chip()
+        self._kernels = torch_tpu_compat.kernels()
+        with trace_context():  # As traced: JAX's trace cache then serves the export.
+            exported = jax.export.export(jitted, platforms=("tpu",))(  # type: ignore[arg-type]
+                *(jax.ShapeDtypeStruct(*aval) for aval in in_avals)
+            )
+        self._out_avals = [(a.shape, _dtypes.torch_dtype(a.dtype)) for a in exported.out_avals]
+        serialized = exported.mlir_module_serialized
+        self._name = f"bridge_mr_program_{next(_NAMES)}"
+        self._fingerprint = hashlib.blake2b(serialized, digest_size=16).hexdigest()
+        self._kernels.register(self._name, self._fingerprint, serialized_mlir_module=serialized)
+        # The inputs the exported module takes: jax.jit drops those the program never reads.
+        kept = exported.module_kept_var_idx
+        self._kept = None if len(kept) == len(in_avals) else kept
+        self._n_exported = n_exported
+        self._narrowable = narrowable(in_avals)
+        self._names = names
+        self._placeholders: dict[torch.device, list[torch.Tensor]] = {}
+
+    def __call__(
+        self, tensors: Sequence[torch.Tensor], carried: Sequence[Any]
+    ) -> tuple[list[torch.Tensor], list[Any]]:
+        inputs = narrow([*tensors, *carried], self._narrowable, self._names)
+        device = inputs[0].device
+        if self._kept is not None:
+            inputs = [inputs[i] for i in self._kept]
+        # Shapes only: TorchTPU allocates each result itself.
+        placeholders = self._placeholders.get(device)
+        if placeholders is None:
+            placeholders = [torch.empty(s, dtype=d, device=device) for s, d in self._out_avals]
+            self._placeholders[device] = placeholders
+        outputs = list(
+            self._kernels.call(
+                self._name,
+                self._fingerprint,
+                inputs=inputs,
+                output_shapes=placeholders,
+                donate_argnums=[],
+                device_assignment=[],
+            )
+        )
+        n = self._n_exported
+        return outputs[:n], outputs[n:]
