@@ -2,9 +2,10 @@
 
 `torch_tpu` (TorchTPU, device "tpu") runs a JAX program on its tensors through
 `torch.tpu.pallas.jax_op`, which exports the program with `jax.export` and hands the serialized
-module to two private entry points of `torch_tpu._internal.pallas.tpu_torch_pallas`:
-`register_custom_kernel` (compiled on first call, kept by fingerprint) and `call_custom_kernel`
-(inputs, output placeholders, results as new "tpu" tensors). bridge_mr calls them directly: its
+module to private entry points of `torch_tpu._internal.pallas.tpu_torch_pallas`:
+`register_custom_kernel` (compiled on first call, kept by name and fingerprint),
+`lookup_custom_kernel` and `call_custom_kernel` (inputs, output placeholders, results as new
+"tpu" tensors). bridge_mr calls them directly: its
 programs are flat lists of arrays already exported per signature, and `jax_op` would register a
 process-wide torch op per program.
 
@@ -34,11 +35,13 @@ class Kernels(NamedTuple):
       register: `register_custom_kernel(name, fingerprint, serialized_mlir_module=bytes)`.
       call: `call_custom_kernel(name, fingerprint, inputs=, output_shapes=, donate_argnums=,
         device_assignment=)`, returning one new tensor per output placeholder.
+      lookup: `lookup_custom_kernel(name, fingerprint)`, whether that kernel is registered.
       version: the installed torch_tpu's version.
     """
 
     register: Any
     call: Any
+    lookup: Any
     version: str
 
 
@@ -68,4 +71,9 @@ def kernels() -> Kernels:
         ("torch_tpu._internal.pallas.tpu_torch_pallas",),
         f"bridge_mr could not import TorchTPU's kernel calls ({{error}}) from torch_tpu {version}.",
     )
-    return Kernels(pallas.register_custom_kernel, pallas.call_custom_kernel, version)
+    return Kernels(
+        pallas.register_custom_kernel,
+        pallas.call_custom_kernel,
+        pallas.lookup_custom_kernel,
+        version,
+    )

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from typing import Any
@@ -58,13 +59,20 @@ def describe(device: torch.device) -> DeviceDescription:
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
         return DeviceDescription("gpu", properties.name, int(properties.total_memory))
-    if device.type == "tpu":  # TorchTPU's; its `get_device_properties` warns it is experimental.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            properties = torch.get_device_module("tpu").get_device_properties(device)
-        return DeviceDescription("torch_tpu", properties.name, int(properties.total_memory))
+    if device.type == "tpu":
+        return _torch_tpu(device)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return DeviceDescription("cpu", "cpu", int(memory))
+
+
+@functools.cache
+def _torch_tpu(device: torch.device) -> DeviceDescription:
+    """TorchTPU's description of its "tpu" device (read once: its `get_device_properties` warns,
+    once a process, that it is experimental; only that warning is silenced, for that call)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*get_device_properties.* is experimental")
+        properties = torch.get_device_module("tpu").get_device_properties(device)
+    return DeviceDescription("torch_tpu", properties.name, int(properties.total_memory))
 
 
 def describe_program_device(device: Any) -> DeviceDescription:

@@ -80,10 +80,18 @@ def ruled_out(
             out[option] = _RULED_OUT_GROUPED
         elif grouped and on_tpu and found.conv_groups > settings.AUTO_TPU_MAX_CONV_GROUPS:
             out[option] = _RULED_OUT_GROUPED_TPU
-        elif grouped and on_torch_tpu:
-            if torch_tpu_groups is not None and found.conv_groups > torch_tpu_groups:
-                out[option] = _RULED_OUT_GROUPED_TORCH_TPU
-        elif grouped and not on_tpu and found.conv_groups > settings.AUTO_GPU_MAX_CONV_GROUPS:
+        elif (
+            grouped
+            and on_torch_tpu
+            and torch_tpu_groups is not None
+            and found.conv_groups > torch_tpu_groups
+        ):
+            out[option] = _RULED_OUT_GROUPED_TORCH_TPU
+        elif (
+            grouped
+            and not (on_tpu or on_torch_tpu)
+            and found.conv_groups > settings.AUTO_GPU_MAX_CONV_GROUPS
+        ):
             out[option] = _RULED_OUT_GROUPED_GPU
         elif found.peak_bytes > budget:
             out[option] = _OVER_BUDGET

@@ -63,10 +63,11 @@ class FederatedDataset:
     """Examples grouped by client, resident on one device, and the batches of each round.
 
     The examples are kept sorted by client (client `i` holds rows `offsets[i]:offsets[i+1]`),
-    on the device the rounds run on (CPU, CUDA or a torch-xla device); the client bookkeeping
-    stays on the host. `round()` draws a round's `[clients, steps, batch_size, ...]` batches
-    with one index computation on the host and one gather per field on the device: no Python
-    loop over the clients. Build it with `from_tensors`, `from_dataset` or `from_clients`.
+    on the device the rounds run on (CPU, CUDA, torch-xla or TorchTPU's "tpu", or a JAX device:
+    `to`); the client bookkeeping stays on the host. `round()` draws a round's `[clients,
+    steps, batch_size, ...]` batches with one index computation on the host and one gather per
+    field on the device: no Python loop over the clients. Build it with `from_tensors`,
+    `from_dataset` or `from_clients`.
 
     Attributes:
       examples: the fields, each `[examples, ...]`, sorted by client: torch tensors, or JAX

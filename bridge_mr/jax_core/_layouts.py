@@ -39,10 +39,14 @@ def programs_for(platform: str) -> Iterator[None]:
     """Programs traced inside are for `platform` ("tpu", say), not JAX's default backend.
 
     For programs JAX only traces and exports, to run elsewhere: beside TorchTPU, JAX is kept
-    to the CPU, and `map_reduce` would otherwise lay out its convolutions for XLA:CPU.
+    to the CPU, and `map_reduce` would otherwise lay out its convolutions for XLA:CPU. JAX's
+    trace caches do not see this setting: a function of yours that `jax.jit` traced outside
+    it is not traced again inside it (bridge_mr's own programs are new functions per trace).
+    Only the layouts differ, never the values.
 
     Args:
-      platform: the platform the programs will run on ("cpu", "cuda", "tpu").
+      platform: the platform the programs will run on, as `jax.default_backend()` names it
+        ("cpu", "gpu", "tpu").
 
     Yields:
       Nothing; inside, `program_platform()` is `platform`.
@@ -64,7 +68,7 @@ def program_platform() -> str:
     """The platform the programs traced now are for: `programs_for`'s, else JAX's default.
 
     Returns:
-      A platform name ("cpu", "cuda", "tpu").
+      A platform name ("cpu", "gpu", "tpu").
 
     Example:
       >>> bridge_mr.jax_core.program_platform() == jax.default_backend()

@@ -4,6 +4,8 @@
   compiled execution, a wait for its results (the inputs alias torch memory), zero-copy export.
 * `XlaRunner` (torch-xla tensors): the program lowered once to HLO and embedded in torch-xla's
   lazy graph, so it compiles together with the surrounding torch ops (no DLPack, no host trip).
+* `TorchTpuRunner` (TorchTPU's "tpu" tensors, `_torch_tpu.py`): the program exported once for
+  the TPU and run by TorchTPU on the tensors (JAX on the CPU there: trace and export only).
 
 A program is traced under `trace_context(device_type)` and run by `runner_for(device_type,
 ...)`; the two agree on the JAX context (on torch-xla: its SPMD mesh and GSPMD partitioning).

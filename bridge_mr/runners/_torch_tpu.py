@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +30,9 @@ from bridge_mr._dtypes import Aval
 from ._narrowing import narrow, narrowable
 from ._protocols import Jitted
 
-# Names of the kernels this process registered with TorchTPU: one per exported program.
-_NAMES = itertools.count()
+# The name of every kernel bridge_mr registers with TorchTPU (each told apart by its program's
+# fingerprint).
+_NAME = "bridge_mr_program"
 
 
 def check_jax_off_the_chip() -> None:
@@ -83,23 +83,30 @@ class TorchTpuRunner:
         n_exported: int,
         names: Sequence[str] | None = None,
     ) -> None:
+        if not in_avals:
+            raise ValueError("TorchTpuRunner: a program runs on TorchTPU tensors, and has none")
         check_jax_off_the_chip()
         self._kernels = torch_tpu_compat.kernels()
         with trace_context():  # As traced: JAX's trace cache then serves the export.
             exported = jax.export.export(jitted, platforms=("tpu",))(  # type: ignore[arg-type]
                 *(jax.ShapeDtypeStruct(*aval) for aval in in_avals)
             )
-        self._out_avals = [(a.shape, _dtypes.torch_dtype(a.dtype)) for a in exported.out_avals]
+        self._out_avals = [_torch_aval(i, a, n_exported) for i, a in enumerate(exported.out_avals)]
         serialized = exported.mlir_module_serialized
-        self._name = f"bridge_mr_program_{next(_NAMES)}"
+        # Kernels are TorchTPU's by (name, fingerprint): the same program is registered (and
+        # compiled) once, whichever runner exports it.
         self._fingerprint = hashlib.blake2b(serialized, digest_size=16).hexdigest()
-        self._kernels.register(self._name, self._fingerprint, serialized_mlir_module=serialized)
-        # The inputs the exported module takes: jax.jit drops those the program never reads.
+        if not self._kernels.lookup(_NAME, self._fingerprint):
+            self._kernels.register(_NAME, self._fingerprint, serialized_mlir_module=serialized)
+        # The inputs the exported module takes: jax.jit drops those the program never reads
+        # (their int64 values then need no check either).
         kept = exported.module_kept_var_idx
         self._kept = None if len(kept) == len(in_avals) else kept
         self._n_exported = n_exported
-        self._narrowable = narrowable(in_avals)
+        self._narrowable = tuple(i for i in narrowable(in_avals) if i in kept)
         self._names = names
+        # Shapes and dtypes of the results, which TorchTPU allocates itself; kept per device as
+        # torch_tpu's own `jax_op` keeps them per signature.
         self._placeholders: dict[torch.device, list[torch.Tensor]] = {}
 
     def __call__(
@@ -109,14 +116,13 @@ class TorchTpuRunner:
         device = inputs[0].device
         if self._kept is not None:
             inputs = [inputs[i] for i in self._kept]
-        # Shapes only: TorchTPU allocates each result itself.
         placeholders = self._placeholders.get(device)
         if placeholders is None:
             placeholders = [torch.empty(s, dtype=d, device=device) for s, d in self._out_avals]
             self._placeholders[device] = placeholders
         outputs = list(
             self._kernels.call(
-                self._name,
+                _NAME,
                 self._fingerprint,
                 inputs=inputs,
                 output_shapes=placeholders,
@@ -126,3 +132,17 @@ class TorchTpuRunner:
         )
         n = self._n_exported
         return outputs[:n], outputs[n:]
+
+
+def _torch_aval(index: int, aval: Any, n_exported: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """An exported output's shape and torch dtype; the error names the output."""
+    try:
+        return tuple(aval.shape), _dtypes.torch_dtype(aval.dtype)
+    except TypeError as error:
+        what = f"output {index}" if index < n_exported else f"saved value {index - n_exported}"
+        raise TypeError(
+            f"bridge_mr: on TorchTPU tensors every value a program returns or saves for the "
+            f"backward pass becomes a tensor, and its {what} ({aval.dtype}, shape "
+            f"{tuple(aval.shape)}) has no torch dtype: {error} A typed PRNG key in the "
+            "function saves such a value: pass raw uint32 keys (jax.random.key_data) instead."
+        ) from error

@@ -101,7 +101,8 @@ def map_reduce(
         whose `placement` axis the clients are sharded over.
       check_weights: check that the weights are finite and do not sum to zero (CPU tensors
         before the program; CUDA tensors by device reductions read after it, when the bridge
-        waits for its results anyway; torch-xla tensors by one small device read before it).
+        waits for its results anyway; torch-xla and TorchTPU tensors by one small device read
+        before it).
         False gives raw IEEE results (NaN / inf) and skips that work.
       strategy: "auto", "vmap", "per_client" or "chunks" (see above).
       chunk_size: for "chunks": how many clients run at once (a positive int). Given alone

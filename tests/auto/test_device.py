@@ -166,3 +166,14 @@ def test_every_setting_is_part_of_a_decisions_name_on_disk(monkeypatch):
     auto.forget_choices()
     _choose(_local_conv_steps, server, clients, H200, monkeypatch)
     assert len(set(auto.directory().glob("*.json")) - before) == 1
+
+
+def test_torch_tpu_still_rules_out_what_is_over_the_budget(monkeypatch):
+    """Keeping grouped convolutions on TorchTPU's chip does not keep what its memory cannot
+    hold: on a chip of 64 KiB, vmap of 500 clients is over the budget there too."""
+    small = auto.DeviceDescription("torch_tpu", "TPU v5e", 64 * 2**10)
+    monkeypatch.setattr(settings, "AUTO_MEMORY_FLOOR", 0)
+    assert _choose(_local_conv_steps, *_cnn(500), small, monkeypatch) != ("vmap", None)
+    choice = auto.map_reduce_choices()[-1]
+    skipped = {(c.strategy, c.chunk_size): c.skipped for c in choice.candidates}
+    assert "over the memory budget" in skipped[("vmap", None)]
