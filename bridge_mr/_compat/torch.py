@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+import torch._C._dynamo.eval_frame as _eval_frame
 import torch._C._functorch as _functorch
 import torch._C._nn
 import torch.autograd.forward_ad as _forward_ad
@@ -124,6 +125,14 @@ def graph_break_resumes() -> bool:
     """
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 13)
+
+
+#: Dynamo's frame callback now: None in plain eager code, False where Dynamo runs compiled code
+#: only; else set while `torch.compile` runs a frame, also one it runs eagerly because it skips
+#: that frame's code (after a failed trace), whose callees it would still compile, JAX's too.
+#: A C function (`torch._C._dynamo.eval_frame.get_eval_frame_callback`), no Python frame per
+#: call; torch 2.9 - 2.13.
+eval_frame_callback: Callable[[], Any] = _eval_frame.get_eval_frame_callback
 
 
 def float32_matmul_precision() -> str:

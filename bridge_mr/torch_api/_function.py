@@ -208,13 +208,20 @@ class TorchFunction:
                     "broadcast / map_fn / reduce_* of a map_reduce inside jax_fn, under "
                     "@bridge_mr.program)."
                 )
-            # torch.compiler.disable is unannotated (torch 2.13): it returns its argument, disabled.
-            disabled = cast(
-                Callable[[tuple[Any, ...], dict[str, Any]], PyTree],
-                torch.compiler.disable(self._call),
-            )
-            return disabled(args, kwargs)
+            return self._without_dynamo(args, kwargs)
+        hook = torch_compat.eval_frame_callback()
+        if hook is not None and hook is not False:  # False: Dynamo runs compiled code only.
+            # Dynamo runs this frame eagerly (it skips this code, e.g. after a failed trace) and
+            # would compile each frame it calls, JAX's too: run the call without it.
+            return self._without_dynamo(args, kwargs)
         return self._call(args, kwargs)
+
+    def _without_dynamo(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
+        # torch.compiler.disable is unannotated (torch 2.13): it returns its argument, disabled.
+        disabled = cast(
+            Callable[[tuple[Any, ...], dict[str, Any]], PyTree], torch.compiler.disable(self._call)
+        )
+        return disabled(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
         found = self._lookup(args, kwargs)

@@ -313,6 +313,11 @@ def test_graph_break_resumes_on_the_pinned_torch_versions() -> None:
     assert compat_torch.graph_break_resumes() is pinned[version]
 
 
+def test_eval_frame_callback_is_dynamos_and_unset_in_plain_code() -> None:
+    assert compat_torch.eval_frame_callback is torch._C._dynamo.eval_frame.get_eval_frame_callback
+    assert compat_torch.eval_frame_callback() is None
+
+
 @pytest.mark.skipif(
     not compat_torch.graph_break_resumes(), reason="graph_break(msg=) is used on torch 2.13 only"
 )

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import assert_trees_all_close
+from helpers import assert_trees_all_close, child
 from helpers.precision import precisions
 
 from bridge_mr.torch_api import torch_function
@@ -406,3 +406,35 @@ def test_torch_func_grad_works_and_vmap_explains():
     assert_trees_all_close(torch.func.grad(f)(w), torch.sin(2 * w), rtol=1e-5, atol=1e-6)
     with pytest.raises(NotImplementedError, match="Batch inside JAX instead"):
         torch.func.vmap(torch_function(jnp.sin))(torch.randn(2, 3))
+
+
+_AFTER_A_FAILED_COMPILE = """
+import warnings
+warnings.simplefilter("error")
+warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
+import jax.numpy as jnp
+import torch
+import bridge_mr
+
+x, w = torch.randn(3), torch.randn(3, requires_grad=True)
+strict = bridge_mr.torch_function(lambda w, a: jnp.sum(w * a["a"]), compilable=True)
+try:
+    torch.compile(lambda w: strict(w, {"a": x}), backend="eager")(w)
+except TypeError as error:
+    assert "positional arguments only" in str(error), error
+else:
+    raise AssertionError("a compilable function took a dict")
+f = bridge_mr.torch_function(lambda w, a: jnp.sum(w * a))
+got = torch.compile(lambda w: f(w, x) * 2, backend="eager")(w)
+torch.testing.assert_close(got, (w * x).sum() * 2)
+print("ok")
+"""
+
+
+def test_a_failed_compile_leaves_later_compiles_working():
+    """After torch.compile failed inside a torch_function's call, Dynamo skips that call's code
+    but would still compile the frames it calls, JAX's too, in any later compiled function:
+    bridge_mr then runs the call without Dynamo (a fresh process: Dynamo's skips are
+    per process)."""
+    assert child.run_python(["-c", _AFTER_A_FAILED_COMPILE], timeout=300).strip() == "ok"
