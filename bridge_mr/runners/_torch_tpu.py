@@ -53,7 +53,13 @@ def check_jax_off_the_chip() -> None:
 
 
 def trace_context() -> contextlib.AbstractContextManager[None]:
-    """The JAX context TorchTPU programs are traced and exported in: programs for the TPU."""
+    """The JAX context TorchTPU programs are traced and exported in: programs for the TPU.
+
+    Raises:
+      RuntimeError: JAX may open the TPU in this process (`check_jax_off_the_chip`), checked
+        before anything is traced (a trace may start JAX's backend).
+    """
+    check_jax_off_the_chip()
     return jax_core.programs_for("tpu")
 
 
@@ -85,12 +91,11 @@ class TorchTpuRunner:
     ) -> None:
         if not in_avals:
             raise ValueError("TorchTpuRunner: a program runs on TorchTPU tensors, and has none")
-        check_jax_off_the_chip()
-        self._kernels = torch_tpu_compat.kernels()
-        with trace_context():  # As traced: JAX's trace cache then serves the export.
+        with trace_context():  # As traced (JAX's trace cache then serves the export); checks JAX.
             exported = jax.export.export(jitted, platforms=("tpu",))(  # type: ignore[arg-type]
                 *(jax.ShapeDtypeStruct(*aval) for aval in in_avals)
             )
+        self._kernels = torch_tpu_compat.kernels()
         self._out_avals = [_torch_aval(i, a, n_exported) for i, a in enumerate(exported.out_avals)]
         serialized = exported.mlir_module_serialized
         # Kernels are TorchTPU's by (name, fingerprint): the same program is registered (and

@@ -35,6 +35,9 @@ def test_jax_must_stay_on_the_cpu_beside_torch_tpu(jax_platforms: None, platform
     jax.config.update("jax_platforms", platforms)
     with pytest.raises(RuntimeError, match=r"JAX_PLATFORMS=cpu .* before Python starts"):
         runners.runner_for("tpu", jax.jit(_program), AVALS, 1, None)
+    # Checked before a program is traced too: a trace may start JAX's backends.
+    with pytest.raises(RuntimeError, match=r"JAX_PLATFORMS=cpu .* before Python starts"):
+        runners.trace_context("tpu")
 
 
 def test_without_torch_tpu_the_runner_says_what_to_install(jax_platforms: None):
