@@ -10,6 +10,7 @@ path (`--device cuda`) runs in scripts/gpu_check.sh on a GPU machine, the TPU pa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -66,6 +67,18 @@ def test_a_tpu_row_keeps_torch_on_the_host_and_names_its_precision(rows: ModuleT
     assert (highest.tensor_device, highest.row_id) == ("cpu", "accelerator/cnn/c50")
     assert medium.row_id == "accelerator/cnn/c50/medium"
     assert rows.AcceleratorConfig("cnn", 50, device="cuda").tensor_device == "cuda"
+
+
+def test_torch_tpu_alternatives_keep_jax_off_the_chip(case: ModuleType, rows: ModuleType) -> None:
+    """TorchTPU's alternatives put their tensors on "tpu" and run with JAX on the CPU (TorchTPU
+    holds the chip); the others are left as they were."""
+    for name in ("torch_loop_torchtpu", "bridge_mr_torchtpu", "bridge_mr_torchtpu:per_client"):
+        assert rows.on_torch_tpu(name)
+        assert case._env("tpu", name)["JAX_PLATFORMS"] == "cpu"
+    for name in ("torch_loop", "bridge_mr", "bridge_mr_resident", "pure_jax"):
+        assert not rows.on_torch_tpu(name)
+    # bridge_mr with host tensors runs JAX on the chip: its environment is the caller's.
+    assert case._env("tpu", "bridge_mr").get("JAX_PLATFORMS") == os.environ.get("JAX_PLATFORMS")
 
 
 def test_tpu_peaks_by_kind(rows: ModuleType) -> None:
