@@ -8,6 +8,7 @@ torch loop within the precision in force (as tests/tpu/test_tpu.py does for host
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,8 +23,11 @@ import bridge_mr
 
 pytestmark = pytest.mark.torch_tpu
 
-#: torch's float32 matmul precision as this module is imported: TorchTPU's setting when it loads.
-_PRECISION_AT_IMPORT = torch.get_float32_matmul_precision()
+#: torch's float32 matmul precision as this module is imported: TorchTPU's setting when it loads
+#: (read without torch 2.9's warning at each read: the torch-xla leg collects this module too).
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Please use the new API settings", UserWarning)
+    _PRECISION_AT_IMPORT = torch.get_float32_matmul_precision()
 
 # TorchTPU 0.2.0's `.item()` of a tensor that requires grad warns that a non-leaf's `.grad` is
 # read (plain torch ops' results too): the tests read values `.detach()`ed.
