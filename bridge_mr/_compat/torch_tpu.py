@@ -5,9 +5,8 @@
 module to private entry points of `torch_tpu._internal.pallas.tpu_torch_pallas`:
 `register_custom_kernel` (compiled on first call, kept by name and fingerprint),
 `lookup_custom_kernel` and `call_custom_kernel` (inputs, output placeholders, results as new
-"tpu" tensors). bridge_mr calls them directly: its
-programs are flat lists of arrays already exported per signature, and `jax_op` would register a
-process-wide torch op per program.
+"tpu" tensors). bridge_mr calls them directly: its programs are flat lists of arrays already
+exported per signature, and `jax_op` would register a process-wide torch op per program.
 
 Checked on torch_tpu 0.2.0 with torch 2.13.0 and libtpu 0.0.51 (`TESTED`); another version is
 refused with the versions to install. Importing this module imports neither torch_tpu nor JAX;

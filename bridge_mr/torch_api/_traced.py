@@ -316,9 +316,9 @@ def _on_device(spec: CallSpec, program: F) -> F:
     On CPU, every convolution in the layout XLA runs fast, those of the gradients and those in
     loop bodies too, and large float sums as accurate as torch's where the program compiles
     without YNNPACK's reduce fusion (`jax_core.cpu_program`; its options:
-    `jax_core.cpu_compiler_options`). On an accelerator (CUDA tensors, or CPU tensors whose
-    program runs on one), float32 matrix products and convolutions at the precision torch's
-    `torch.get_float32_matmul_precision()` sets (`matmul_precision`). torch-xla: as traced.
+    `jax_core.cpu_compiler_options`). On an accelerator (CUDA or TorchTPU tensors, or CPU
+    tensors whose program runs on one), float32 matrix products and convolutions at torch's
+    `torch.get_float32_matmul_precision()` (`matmul_precision`). torch-xla: as traced.
     """
     if spec.device_type == "cpu" and spec.program_device is None:
         return jax_core.cpu_program(program)

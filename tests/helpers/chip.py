@@ -162,3 +162,17 @@ def check_precision_governs(device: str) -> None:
             assert worst[precision] <= 1e-5, worst
     assert 1e-4 < worst["medium"] < 3e-2, worst
     assert worst["high"] < worst["medium"] / 10, worst
+
+
+def check_equal_torch_at_highest(device: str, **options: Any) -> None:
+    """Asserts that `bridge_value_and_grads` from tensors on `device` (`options`: map_reduce's)
+    gives a float32 loss there, and the loss and gradients of a float64 torch loop within 1e-5
+    (torch's precision must be "highest")."""
+    server, batch = matmul_case()
+    want_value, want = torch_value_and_grads(torch_matmul_loss, server, batch)
+    loss, grads = bridge_value_and_grads(server, batch, device, **options)
+    assert loss.device.type == device
+    assert loss.dtype == torch.float32
+    assert abs(loss.detach().item() - want_value) <= 1e-5 * abs(want_value)
+    errors = leaf_errors({k: g.cpu() for k, g in grads.items()}, want)
+    assert max(errors.values()) <= 1e-5, errors

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import chip
-from helpers.precision import leaf_errors, torch_value_and_grads
+from helpers.precision import leaf_errors
 
 import bridge_mr
 
@@ -74,15 +74,7 @@ def test_jax_stays_on_the_cpu_beside_torch_tpu() -> None:
 
 @pytest.mark.parametrize(("strategy", "chunk_size"), _STRATEGIES)
 def test_tpu_tensors_equal_torch_at_highest(strategy: str, chunk_size: Any) -> None:
-    server, batch = chip.matmul_case()
-    want_value, want = torch_value_and_grads(chip.torch_matmul_loss, server, batch)
-    options = {"strategy": strategy, "chunk_size": chunk_size}
-    loss, grads = chip.bridge_value_and_grads(server, batch, "tpu", **options)
-    assert loss.device.type == "tpu"
-    assert loss.dtype == torch.float32
-    assert abs(loss.detach().item() - want_value) <= 1e-5 * abs(want_value)
-    errors = leaf_errors(_host(grads), want)
-    assert max(errors.values()) <= 1e-5, errors
+    chip.check_equal_torch_at_highest("tpu", strategy=strategy, chunk_size=chunk_size)
 
 
 def test_torch_precision_setting_governs_tpu_tensors() -> None:

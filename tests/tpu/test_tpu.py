@@ -44,15 +44,7 @@ def test_the_chip_is_where_host_tensors_run() -> None:
 
 @pytest.mark.parametrize(("strategy", "chunk_size"), _STRATEGIES)
 def test_host_tensors_on_the_chip_equal_torch_at_highest(strategy: str, chunk_size: Any) -> None:
-    server, batch = chip.matmul_case()
-    want_value, want = torch_value_and_grads(chip.torch_matmul_loss, server, batch)
-    options = {"strategy": strategy, "chunk_size": chunk_size}
-    loss, grads = chip.bridge_value_and_grads(server, batch, "cpu", **options)
-    assert loss.device.type == "cpu"
-    assert loss.dtype == torch.float32
-    assert abs(loss.item() - want_value) <= 1e-5 * abs(want_value)
-    errors = leaf_errors(grads, want)
-    assert max(errors.values()) <= 1e-5, errors
+    chip.check_equal_torch_at_highest("cpu", strategy=strategy, chunk_size=chunk_size)
 
 
 def test_torch_precision_setting_governs_and_takes_effect_between_calls() -> None:
