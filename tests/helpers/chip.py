@@ -136,7 +136,11 @@ def bridge_value_and_grads(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`matmul_client`'s mean loss over the clients by `bridge_mr.map_reduce` (`options`), from
     tensors on `device`, and its gradients (of `batch` too), which come back there."""
-    leaves = {k: v.to(device).requires_grad_() for k, v in {**server, **batch}.items()}
+    # Fresh leaves on every call (`.to("cpu")` of a host tensor is that tensor: its .grad would
+    # add up over calls).
+    leaves = {
+        k: v.detach().to(device, copy=True).requires_grad_() for k, v in {**server, **batch}.items()
+    }
     loss = bridge_mr.map_reduce(
         matmul_client, {k: leaves[k] for k in server}, {k: leaves[k] for k in batch}, **options
     )
