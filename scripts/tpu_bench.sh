@@ -11,6 +11,7 @@
 #   gpt2      GPT-2 2x128, 16 clients highest: torch loop (host), bridge_mr, pure JAX; 16 and
 #             128 clients medium and 128 highest: bridge_mr, pure JAX
 #   cache     the on-disk compile cache: the CNN round's first round in a fresh process twice
+#             (and a third under cProfile: $OUT/cache_third.prof)
 #   convs     issue 42's rows: the CNN round's per-client convolutions grouped or as matrix
 #             products, 50 / 500 / 2000 clients, medium and highest, in one process
 #             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
@@ -22,6 +23,9 @@
 #   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds, as they come
 #             (ALTERNATIVE *_torchtpu: on TorchTPU's "tpu" tensors, once scripts/torch_tpu_setup.sh
 #             is ready)
+#   ttprof:MODEL:CLIENTS:PRECISION  the round on TorchTPU tensors timed in parts, its programs
+#             saved to /tmp/ttprof_MODEL_CLIENTS (benchmarks/studies/profile_torch_tpu.py)
+#   replay:MODEL:CLIENTS  those saved programs run by JAX holding the chip, timed
 #
 # Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
 set -uo pipefail
@@ -52,6 +56,10 @@ cache() {  # the CNN round's first round in a fresh process, twice, sharing one 
       "$spec" 2>&1 | grep -E '"event": "ready"|Error' | sed "s/^/tpu_bench: cache: $process process: /" \
       | tee -a "$OUT/bench_cache.txt"
   done
+  # A third process under cProfile (its time not reported: the profiler slows it), for where
+  # a cached first round's time goes: $OUT/cache_third.prof (python -m pstats).
+  echo quit | BRIDGE_MR_CACHE_DIR=$folder timeout -k 10 240 python3 -m cProfile \
+    -o "$OUT/cache_third.prof" -m benchmarks.workers.users "$spec" >/dev/null 2>&1
   rm -rf "$folder"
 }
 
@@ -69,6 +77,12 @@ raw() {  # raw ALTERNATIVE MODEL CLIENTS PRECISION: one worker's events as they 
   printf 'round\nround\nround\nquit\n' | env "${env[@]}" timeout -k 5 "${RAW_S:-120}" python3 \
     -m benchmarks.workers.users "$spec" 2>&1 | grep -E '"event"|Error' \
     | sed "s/^/tpu_bench: raw $1 $2 c$3 $4: /" | tee -a "$OUT/bench_raw.txt"
+}
+
+ttprof() {  # ttprof MODEL CLIENTS PRECISION: on TorchTPU tensors (scripts/torch_tpu_setup.sh)
+  JAX_PLATFORMS=cpu PYTHONPATH=/tmp/tt_site:$PYTHONPATH:/tmp/tt_deps timeout -k 5 240 python3 \
+    -m benchmarks.studies.profile_torch_tpu --model "$1" --clients "$2" --precision "$3" \
+    --save "/tmp/ttprof_$1_$2" 2>&1 | grep -E '"event"|Error' | tee -a "$OUT/profile_torch_tpu.txt"
 }
 
 convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows so far are kept)
@@ -110,10 +124,15 @@ for part in "${parts[@]}"; do
     call) timeout -k 10 150 python3 -m benchmarks.studies.profile_call --device tpu 2>&1 \
             | tee "$OUT/profile_call.txt"
           [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: call failed"; status=1; } ;;
+    ttprof:*) IFS=: read -r _ model clients precision <<<"$part"; ttprof "$model" "$clients" "$precision" ;;
+    replay:*) IFS=: read -r _ model clients <<<"$part"
+              timeout -k 5 150 python3 -m benchmarks.studies.profile_torch_tpu \
+                --replay "/tmp/ttprof_${model}_$clients" 2>&1 | grep -E '"event"|Error' \
+                | sed "s/^/replay $model c$clients: /" | tee -a "$OUT/profile_torch_tpu.txt" ;;
     raw:*) rest=${part#raw:}  # the alternative may hold colons (bridge_mr:chunks:16)
            precision=${rest##*:}; rest=${rest%:*}; clients=${rest##*:}; rest=${rest%:*}
            model=${rest##*:}; raw "${rest%:*}" "$model" "$clients" "$precision" ;;
-    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache, resident, convs, call, raw:...)"; status=1 ;;
+    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache, resident, convs, call, raw:..., ttprof:..., replay:...)"; status=1 ;;
   esac
 done
 exit $status

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 from helpers.bench import benchmark
@@ -89,3 +90,32 @@ def test_profile_call_times_the_tiny_call_beside_pure_jax_and_profiles_it(
     assert "cProfile of 3 calls" in out
     assert "Ordered by: internal time" in out
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_profile_torch_tpu_times_a_rounds_parts_and_replays_saved_programs(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
+) -> None:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    study = benchmark("studies.profile_torch_tpu")
+    study.main(["--device", "cpu", "--clients", "2", "--rounds", "1", "--save", str(tmp_path)])
+    out = capsys.readouterr().out
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    (medians,) = [e for e in events if e["event"] == "medians"]
+    assert all(medians[part] > 0 for part in ("round", "mean_delta", "server_step"))
+    assert medians["program"] == 0  # host tensors: no TorchTPU program runs
+    assert torch.get_float32_matmul_precision() == before
+    # What --save writes for TorchTPU's programs, replayed as JAX runs them.
+    with study._capturing_exports(tmp_path):
+        jax.export.export(jax.jit(lambda x, n: jnp.sin(x) * n.astype(x.dtype)), platforms=("cpu",))(
+            jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["program_0.bin"]
+    assert jax.export.export.__module__.startswith("jax")  # restored
+    study.main(["--replay", str(tmp_path), "--rounds", "2"])
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["event"] for e in events] == ["replay", "replay_medians"]
+    assert events[1]["program_0.bin"] > 0
