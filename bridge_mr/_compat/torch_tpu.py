@@ -6,7 +6,10 @@ module to private entry points of `torch_tpu._internal.pallas.tpu_torch_pallas`:
 `register_custom_kernel` (compiled on first call, kept by name and fingerprint),
 `lookup_custom_kernel` and `call_custom_kernel` (inputs, output placeholders, results as new
 "tpu" tensors). bridge_mr calls them directly: its programs are flat lists of arrays already
-exported per signature, and `jax_op` would register a process-wide torch op per program.
+exported per signature, and `jax_op` would register a process-wide torch op per program. The
+XLA options a kernel compiles with are pushed and popped around its calls with
+`compiler_options_impl`, the calls behind `torch.tpu.compiler.custom_compiler_options` (which
+warns once per process that it is experimental).
 
 Checked on torch_tpu 0.2.0 with torch 2.13.0 and libtpu 0.0.51 (`TESTED`); another version is
 refused with the versions to install. Importing this module imports neither torch_tpu nor JAX;
@@ -36,12 +39,17 @@ class Kernels(NamedTuple):
         device_assignment=)`, returning one new tensor per output placeholder.
       lookup: `lookup_custom_kernel(name, fingerprint)`, whether that kernel is registered.
       version: the installed torch_tpu's version.
+      push_options: `push_compiler_options(options)`: XLA options (a dict of strings) for what
+        compiles until the matching `pop_options()`, merged over those pushed before.
+      pop_options: `pop_compiler_options()`.
     """
 
     register: Any
     call: Any
     lookup: Any
     version: str
+    push_options: Any
+    pop_options: Any
 
 
 @functools.cache
@@ -66,8 +74,11 @@ def kernels() -> Kernels:
             f"`pip install torch_tpu=={TESTED[-1]} libtpu==0.0.51`, or move the tensors to the "
             "CPU (`.cpu()`), where bridge_mr runs their programs on JAX's default device."
         )
-    (pallas,) = import_modules(
-        ("torch_tpu._internal.pallas.tpu_torch_pallas",),
+    pallas, options = import_modules(
+        (
+            "torch_tpu._internal.pallas.tpu_torch_pallas",
+            "torch_tpu._internal.compiler_options.compiler_options_impl",
+        ),
         f"bridge_mr could not import TorchTPU's kernel calls ({{error}}) from torch_tpu {version}.",
     )
     return Kernels(
@@ -75,4 +86,6 @@ def kernels() -> Kernels:
         pallas.call_custom_kernel,
         pallas.lookup_custom_kernel,
         version,
+        options.push_compiler_options,
+        options.pop_compiler_options,
     )

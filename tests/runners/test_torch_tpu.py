@@ -61,9 +61,14 @@ class _Recorder:
     def __init__(self) -> None:
         self.registered: dict[tuple[str, str], bytes] = {}
         self.calls: list[list[torch.Tensor]] = []
+        self.options: list[dict[str, str]] = []  # pushed and not yet popped
+        self.options_at_call: list[dict[str, str]] = []
+        self.fail = False  # whether the next kernel call raises, as a failing TorchTPU call would
 
     def kernels(self) -> torch_tpu_compat.Kernels:
-        return torch_tpu_compat.Kernels(self._register, self._call, self._lookup, "0.2.0")
+        return torch_tpu_compat.Kernels(
+            self._register, self._call, self._lookup, "0.2.0", self.options.append, self.options.pop
+        )
 
     def _register(self, name: str, fingerprint: str, *, serialized_mlir_module: bytes) -> None:
         self.registered[name, fingerprint] = serialized_mlir_module
@@ -74,6 +79,9 @@ class _Recorder:
     def _call(self, name: str, fingerprint: str, *, inputs, output_shapes, **_: Any):
         assert (name, fingerprint) in self.registered
         self.calls.append(list(inputs))
+        self.options_at_call.append({k: v for o in self.options for k, v in o.items()})
+        if self.fail:
+            raise RuntimeError("the kernel failed")
         return [torch.zeros_like(p) for p in output_shapes]
 
 
@@ -107,6 +115,20 @@ def test_inputs_the_program_drops_are_not_passed_nor_checked(recorder: _Recorder
     assert passed[1].dtype == torch.int32
     with pytest.raises(ValueError, match=r"tensors\[2\]: a torch.int64 tensor"):
         run([x, labels, torch.tensor([2**40, 0])], [])
+
+
+def test_every_call_compiles_at_xla_full_optimization_level(recorder: _Recorder):
+    avals = [((3,), np.dtype("float32")), ((2,), np.dtype("int32")), ((2,), np.dtype("int32"))]
+    run = runners.runner_for("tpu", jax.jit(_uses_first_and_last), avals, 2, None)
+    x, labels = torch.ones(3), torch.tensor([1, 2], dtype=torch.int32)
+    for _ in range(2):
+        run([x, labels, labels], [])
+    assert recorder.options_at_call == [{"xla_optimization_level": "O3"}] * 2
+    assert recorder.options == []  # popped after each call
+    recorder.fail = True
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        run([x, labels, labels], [])
+    assert recorder.options == []  # popped after a failed call too
 
 
 def test_a_value_torch_has_no_dtype_for_is_named(recorder: _Recorder):
