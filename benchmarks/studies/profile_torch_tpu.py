@@ -11,7 +11,8 @@ tensors of `--device` ("tpu": TorchTPU's; "cpu" stands in where there is none). 
 warm rounds, each of `--rounds` rounds is timed whole and in parts, every part ending in a
 device sync: `mean_delta` (the clients' program and the eager ops around it), the program
 alone (each call of TorchTPU's runner), the 64-bit label check and cast (bridge_mr's
-`narrow`), and the server step (`.grad` set as `outer_step` sets it, `step`, `zero_grad`).
+`narrow`), and the server step (`.grad` set as `outer_step` sets it, `step`, `zero_grad`),
+and of that step the deltas' negation alone, one op per parameter or one `_foreach_neg`.
 One JSON line per measurement, medians last.
 
 `--save DIR` also writes every program bridge_mr exports for TorchTPU (`jax.export`'s
@@ -140,6 +141,8 @@ def profile_round(cfg: acc.AcceleratorConfig, device: str, rounds: int) -> dict[
         "mean_delta_int32_batches": lambda: alg.mean_delta(local, params, narrowed),
         "narrow": lambda: _narrowing.narrow(wide, range(len(wide)), None),
         "server_step": server,
+        "negate_each": lambda: [-d for d in deltas],
+        "negate_foreach": lambda: torch._foreach_neg(deltas),
     }
     with torch.no_grad():
         for _ in range(2):
