@@ -132,9 +132,15 @@ def outer_step(
 
 
 def set_pseudo_gradient(params: Params, update: Mapping[str, torch.Tensor]) -> None:
-    """Sets `params[k].grad = -update[k]` for every key (detached, in the parameter's dtype)."""
-    for name, p in params.items():
-        p.grad = (-update[name].detach()).to(dtype=p.dtype, device=p.device)
+    """Sets `params[k].grad = -update[k]` for every key (detached, in the parameter's dtype).
+
+    One `_foreach_neg` for all: on TorchTPU, a negation per tensor took 7.3 ms for GPT-2's 28
+    parameters, against 1.5 ms together (docs/tpu.md)."""
+    if not params:
+        return
+    negated = torch._foreach_neg([update[name].detach() for name in params])
+    for p, grad in zip(params.values(), negated, strict=True):
+        p.grad = grad.to(dtype=p.dtype, device=p.device)
 
 
 def round_server(
