@@ -81,9 +81,9 @@ def _capturing_exports(directory: pathlib.Path | None) -> Iterator[None]:
 @contextmanager
 def _timing_programs(device: str, seconds: list[float]) -> Iterator[None]:
     """While open, each TorchTPU program call is synced before and after, its time appended."""
-    from bridge_mr.runners import _torch_tpu
+    from bridge_mr.runners import TorchTpuRunner
 
-    original = _torch_tpu.TorchTpuRunner.__call__
+    original = TorchTpuRunner.__call__
 
     def timed(self: Any, tensors: Any, carried: Any) -> Any:
         _sync(device)
@@ -93,11 +93,11 @@ def _timing_programs(device: str, seconds: list[float]) -> Iterator[None]:
         seconds.append(time.perf_counter() - start)
         return result
 
-    _torch_tpu.TorchTpuRunner.__call__ = timed  # type: ignore[method-assign]
+    TorchTpuRunner.__call__ = timed  # type: ignore[method-assign]
     try:
         yield
     finally:
-        _torch_tpu.TorchTpuRunner.__call__ = original  # type: ignore[method-assign]
+        TorchTpuRunner.__call__ = original  # type: ignore[method-assign]
 
 
 def _timed(device: str, fn: Callable[[], Any]) -> float:
@@ -113,7 +113,6 @@ def profile_round(cfg: acc.AcceleratorConfig, device: str, rounds: int) -> dict[
     import torch
 
     from bridge_mr import algorithms as alg
-    from bridge_mr.runners import _narrowing
 
     net = acc.build_model(cfg.model).to(device)
     local = acc._local(cfg, net)
@@ -139,7 +138,7 @@ def profile_round(cfg: acc.AcceleratorConfig, device: str, rounds: int) -> dict[
         "round": whole,
         "mean_delta": lambda: alg.mean_delta(local, params, batches),
         "mean_delta_int32_batches": lambda: alg.mean_delta(local, params, narrowed),
-        "narrow": lambda: _narrowing.narrow(wide, range(len(wide)), None),
+        "narrow": lambda: _narrow(wide),
         "server_step": server,
         "negate_each": lambda: [-d for d in deltas],
         "negate_foreach": lambda: torch._foreach_neg(deltas),
@@ -168,6 +167,15 @@ def _profile_rounds(
                 _say(event="round", index=index, seconds=seconds, programs=programs)
             else:
                 _say(event="part", index=index, name=name, seconds=seconds)
+
+
+def _narrow(wide: list[Any]) -> list[Any]:
+    """What bridge_mr does to int64 tensors for int32 inputs on TorchTPU: their minima and
+    maxima read to the host together (the sync), then each cast."""
+    import torch
+
+    torch.stack([torch.stack(torch.aminmax(t)) for t in wide]).cpu()
+    return [t.to(torch.int32) for t in wide]
 
 
 @contextmanager

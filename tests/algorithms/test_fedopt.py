@@ -150,6 +150,33 @@ def test_a_jax_loss_and_the_first_loss() -> None:
     torch.testing.assert_close(w.grad, -weighted_mean(deltas, None)["w"], rtol=1e-5, atol=1e-6)
 
 
+def test_outer_step_sets_minus_mean_delta_with_one_program_for_its_rounds() -> None:
+    """outer_step negates inside its round's program (one per LocalTraining, reused)."""
+
+    def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+        return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(3, 1, generator=g), "b": torch.zeros(1)}
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    x = torch.randn(4, 2, 5, 3, generator=g)
+    batches = {"x": x, "y": x @ torch.ones(3, 1)}
+    local = alg.local_training(loss, optax.sgd(0.1), steps=2)
+    before = bridge_mr.trace_counts()["map_reduce"]
+    for scale in (1.0, 2.0):
+        with torch.no_grad():
+            params["w"].mul_(scale)
+        metrics = alg.outer_step(local, params, batches, strategy="vmap")
+        delta, want = alg.mean_delta(local, params, batches, strategy="vmap")
+        for k, p in params.items():
+            assert p.grad is not None
+            torch.testing.assert_close(p.grad, -delta[k], rtol=0, atol=0)
+        assert metrics.keys() == want.keys() == {"loss", "first_loss"}
+        torch.testing.assert_close(metrics["loss"], want["loss"], rtol=0, atol=0)
+    # One program for outer_step's rounds, one for mean_delta's.
+    assert bridge_mr.trace_counts()["map_reduce"] - before == 2
+
+
 def test_yogi_follows_the_papers_update() -> None:
     rng = np.random.default_rng(0)
     grads = rng.normal(size=(6, 5)).astype(np.float32)
