@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import TypeAlias
 
@@ -47,19 +46,6 @@ class LocalTraining:
     optimizer: optax.GradientTransformation | OptimizerFactory
     steps: int
     prox_mu: float = 0.0
-
-    @functools.cached_property
-    def _pseudo_gradient(self) -> Callable[[PyTree, PyTree], dict[str, PyTree]]:
-        """This client with minus its delta, `{"pseudo_gradient", "loss", "first_loss"}`: what
-        `outer_step` runs, so that the negation is part of the round's program. One function
-        per `LocalTraining` (map_reduce keeps its traces by the function)."""
-
-        def pseudo_gradient(server: PyTree, batches: PyTree) -> dict[str, PyTree]:
-            out = self(server, batches)
-            minus = jax.tree.map(jnp.negative, out.pop("delta"))
-            return {"pseudo_gradient": minus, **out}
-
-        return pseudo_gradient
 
     @property
     def takes_hparams(self) -> bool:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
+import jax
+import jax.numpy as jnp
 import torch
 from jax.sharding import AbstractMesh, Mesh
 from typing_extensions import TypedDict, Unpack
@@ -83,6 +86,20 @@ def mean_delta(
     return delta, result
 
 
+@dataclasses.dataclass(frozen=True)
+class _PseudoGradient:
+    """`local`'s result with minus its delta, as "pseudo_gradient": `outer_step`'s client, so
+    that the negation is part of the round's program. Keyed by its field, as `local` is: the
+    one made at each call reuses the round's program."""
+
+    local: LocalTraining
+
+    def __call__(self, server: PyTree, batches: PyTree) -> dict[str, PyTree]:
+        out = self.local(server, batches)
+        minus = jax.tree.map(jnp.negative, out.pop("delta"))
+        return {"pseudo_gradient": minus, **out}
+
+
 def _run_round(
     local: LocalTraining,
     params: Params,
@@ -95,7 +112,7 @@ def _run_round(
     server = round_server(local, params, client_batches, options.get("hparams"), "mean_delta")
     weights = options.get("weights")
     return map_reduce(
-        local._pseudo_gradient if pseudo_gradient else local,
+        _PseudoGradient(local) if pseudo_gradient else local,
         server,
         client_batches,
         reduce="mean" if weights is None else "weighted_mean",

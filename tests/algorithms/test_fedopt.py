@@ -151,7 +151,8 @@ def test_a_jax_loss_and_the_first_loss() -> None:
 
 
 def test_outer_step_sets_minus_mean_delta_with_one_program_for_its_rounds() -> None:
-    """outer_step negates inside its round's program (one per LocalTraining, reused)."""
+    """outer_step negates inside its round's program, reused across rounds and by an equal
+    LocalTraining made anew."""
 
     def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
         return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
@@ -161,9 +162,10 @@ def test_outer_step_sets_minus_mean_delta_with_one_program_for_its_rounds() -> N
     params = {k: v.requires_grad_() for k, v in params.items()}
     x = torch.randn(4, 2, 5, 3, generator=g)
     batches = {"x": x, "y": x @ torch.ones(3, 1)}
-    local = alg.local_training(loss, optax.sgd(0.1), steps=2)
+    sgd = optax.sgd(0.1)
     before = bridge_mr.trace_counts()["map_reduce"]
     for scale in (1.0, 2.0):
+        local = alg.local_training(loss, sgd, steps=2)  # equal, not the same
         with torch.no_grad():
             params["w"].mul_(scale)
         metrics = alg.outer_step(local, params, batches, strategy="vmap")
