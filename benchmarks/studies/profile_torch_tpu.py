@@ -10,7 +10,7 @@ The round is the "accelerator" case's `bridge_mr_torchtpu` row (`workloads.accel
 tensors of `--device` ("tpu": TorchTPU's; "cpu" stands in where there is none). After two
 warm rounds, each of `--rounds` rounds is timed whole and in parts, every part ending in a
 device sync: `mean_delta` (the clients' program and the eager ops around it), the program
-alone (each call of TorchTPU's runner), the 64-bit label check and cast (bridge_mr's
+alone (each TorchTPU kernel call), the 64-bit label check and cast (bridge_mr's
 `narrow`), and the server step (`.grad` set as `outer_step` sets it, `step`, `zero_grad`),
 and of that step the deltas' negation alone, one op per parameter or one `_foreach_neg`.
 One JSON line per measurement, medians last.
@@ -78,26 +78,37 @@ def _capturing_exports(directory: pathlib.Path | None) -> Iterator[None]:
         jax.export.export = original  # type: ignore[assignment]
 
 
+#: While a list is last here, TorchTPU's kernel calls append their (synced) seconds to it.
+_KERNEL_SECONDS: list[list[float]] = []
+
+
 @contextmanager
-def _timing_programs(device: str, seconds: list[float]) -> Iterator[None]:
-    """While open, each TorchTPU program call is synced before and after, its time appended."""
-    from bridge_mr.runners import TorchTpuRunner
+def _timing_kernels(device: str) -> Iterator[None]:
+    """While open, TorchTPU's kernel call (torch_tpu's `call_custom_kernel`, through which
+    bridge_mr runs its programs on "tpu" tensors) is synced before and after and timed into
+    `_KERNEL_SECONDS`. Open it before bridge_mr's first call, which looks the function up."""
+    if device != "tpu":
+        yield
+        return
+    from torch_tpu._internal.pallas import tpu_torch_pallas as pallas  # pyright: ignore[reportMissingImports]
 
-    original = TorchTpuRunner.__call__
+    original = pallas.call_custom_kernel
 
-    def timed(self: Any, tensors: Any, carried: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if not _KERNEL_SECONDS:
+            return original(*args, **kwargs)
         _sync(device)
         start = time.perf_counter()
-        result = original(self, tensors, carried)
+        result = original(*args, **kwargs)
         _sync(device)
-        seconds.append(time.perf_counter() - start)
+        _KERNEL_SECONDS[-1].append(time.perf_counter() - start)
         return result
 
-    TorchTpuRunner.__call__ = timed  # type: ignore[method-assign]
+    pallas.call_custom_kernel = timed
     try:
         yield
     finally:
-        TorchTpuRunner.__call__ = original  # type: ignore[method-assign]
+        pallas.call_custom_kernel = original
 
 
 def _timed(device: str, fn: Callable[[], Any]) -> float:
@@ -110,6 +121,11 @@ def _timed(device: str, fn: Callable[[], Any]) -> float:
 
 def profile_round(cfg: acc.AcceleratorConfig, device: str, rounds: int) -> dict[str, float]:
     """The round's parts on `device`'s tensors: median seconds of each over `rounds`."""
+    with _timing_kernels(device):
+        return _profile_round(cfg, device, rounds)
+
+
+def _profile_round(cfg: acc.AcceleratorConfig, device: str, rounds: int) -> dict[str, float]:
     import torch
 
     from bridge_mr import algorithms as alg
@@ -141,7 +157,7 @@ def profile_round(cfg: acc.AcceleratorConfig, device: str, rounds: int) -> dict[
         "narrow": lambda: _narrow(wide),
         "server_step": server,
         "negate_each": lambda: [-d for d in deltas],
-        "negate_foreach": lambda: torch._foreach_neg(deltas),
+        "negate_foreach": lambda: torch._foreach_neg(deltas),  # pyright: ignore[reportPrivateImportUsage]
     }
     with torch.no_grad():
         for _ in range(2):
@@ -159,8 +175,13 @@ def _profile_rounds(
     for index in range(rounds):
         for name, part in parts.items():
             programs: list[float] = []
-            with _timing_programs(device, programs) if name == "round" else _nothing():
+            if name == "round":
+                _KERNEL_SECONDS.append(programs)
+            try:
                 seconds = _timed(device, part)
+            finally:
+                if name == "round":
+                    _KERNEL_SECONDS.pop()
             found[name].append(seconds)
             if name == "round":
                 found["program"].append(sum(programs))
@@ -176,11 +197,6 @@ def _narrow(wide: list[Any]) -> list[Any]:
 
     torch.stack([torch.stack(torch.aminmax(t)) for t in wide]).cpu()
     return [t.to(torch.int32) for t in wide]
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def replay(directory: pathlib.Path, rounds: int) -> dict[str, float]:

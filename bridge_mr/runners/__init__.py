@@ -17,7 +17,6 @@ from ._choose import trace_context as trace_context
 from ._dlpack import DlpackRunner as DlpackRunner
 from ._protocols import Jitted as Jitted
 from ._protocols import Runner as Runner
-from ._torch_tpu import TorchTpuRunner as TorchTpuRunner
 from ._xla import XlaRunner as XlaRunner
 from ._xla import call_jax_on_xla as call_jax_on_xla
 from ._xla import is_xla_tensor as is_xla_tensor
@@ -27,7 +26,6 @@ __all__ = [
     "DlpackRunner",
     "Jitted",
     "Runner",
-    "TorchTpuRunner",
     "XlaRunner",
     "call_jax_on_xla",
     "is_xla_tensor",
