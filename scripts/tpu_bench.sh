@@ -25,7 +25,9 @@
 #             is ready)
 #   ttprof:MODEL:CLIENTS:PRECISION  the round on TorchTPU tensors timed in parts, its programs
 #             saved to /tmp/ttprof_MODEL_CLIENTS (benchmarks/studies/profile_torch_tpu.py)
-#   replay:MODEL:CLIENTS  those saved programs run by JAX holding the chip, timed
+#   replay:MODEL:CLIENTS  those saved programs run by JAX holding the chip, timed (both parts
+#             serialize programs, which needs flatbuffers: carry its wheel in .whl-tpu,
+#             `pip download flatbuffers --no-deps -d .whl-tpu`, and scripts/tpu_check.sh installs it)
 #
 # Each part's table goes to $OUT/bench_PART*.txt and its results.json under $OUT/bench_PART*/.
 set -uo pipefail

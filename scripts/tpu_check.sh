@@ -6,7 +6,9 @@
 # part) or names parts ("tiny cnn50"). Tests and one or two parts end inside 9 minutes.
 # No network there: torch 2.13.0 (a CPU build) comes from the machine's own wheels
 # (/opt/wheels), optax and transformers from its package index (/opt/pypi/simple), torchax
-# from ./.whl-tpu (carried: `pip download torchax==0.0.14.dev20261026 -d .whl-tpu`); all under
+# from ./.whl-tpu (carried: `pip download torchax==0.0.14.dev20261026 -d .whl-tpu`, and
+# flatbuffers for the benchmarks' ttprof / replay parts: `pip download flatbuffers --no-deps
+# -d .whl-tpu`); all under
 # $BRIDGE_MR_TPU_SITE (default /tmp/site), last on PYTHONPATH so the machine's JAX stays first.
 # bridge_mr itself runs from the checkout (PYTHONPATH). Logs go to "$OUT" (else ./tpu_logs).
 set -uo pipefail
