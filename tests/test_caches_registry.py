@@ -42,6 +42,7 @@ NOT_CACHES = {
     "for XLA to release them (clearing would hide owed releases from it)",
     "bridge_mr.dlpack._runtime._cache_generation": "the backends the device cache was filled "
     "from, compared by identity",
+    "bridge_mr.runners._torch_tpu.COMPILER_OPTIONS": "a constant table",
     "bridge_mr.torch_fn._environment._ENVIRONMENT": "the torchax environment, built once",
     "bridge_mr.torch_fn._recurrent._GATES": "a constant table",
     "bridge_mr.torch_fn._aliases._INSTALLED": "the view-write wrapper installed on the one "
