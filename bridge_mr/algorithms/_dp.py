@@ -137,14 +137,15 @@ def dp_outer_step(
             strategy=strategy,
             chunk_size=chunk_size,
         )
-        noisy = {}
+        minus_noisy = {}  # Minus the noisy mean: divided by -m, the negation in the same op.
         for name in params:  # In `params` order (the reduced dict's keys come back sorted).
             total = sums["delta"][name]
             noise = torch.randn(
                 total.shape, generator=generator, device=generator.device, dtype=torch.float32
             )
-            noisy[name] = (total + std * noise.to(total.device, total.dtype)) / expected_clients
-        set_pseudo_gradient(params, noisy)
+            noisy_sum = total + std * noise.to(total.device, total.dtype)
+            minus_noisy[name] = noisy_sum / -expected_clients
+        set_pseudo_gradient(params, minus_noisy)
     clients = sums["clients"]
     present = torch.clamp(clients, min=1.0)
     return {

@@ -169,16 +169,15 @@ def outer_step(
         # Minus the delta inside the round's program: as one torch op per parameter, the
         # negations took 7.3 ms of a GPT-2 round on TorchTPU (28 parameters; docs/tpu.md).
         result = _run_round(local, params, client_batches, pseudo_gradient=True, **options)
-        pseudo_gradient = result.pop("pseudo_gradient")
-        for name, p in params.items():
-            p.grad = pseudo_gradient[name].detach().to(dtype=p.dtype, device=p.device)
+        set_pseudo_gradient(params, result.pop("pseudo_gradient"))
     return result
 
 
-def set_pseudo_gradient(params: Params, update: Mapping[str, torch.Tensor]) -> None:
-    """Sets `params[k].grad = -update[k]` for every key (detached, in the parameter's dtype)."""
+def set_pseudo_gradient(params: Params, pseudo_gradient: Mapping[str, torch.Tensor]) -> None:
+    """Sets `params[k].grad = pseudo_gradient[k]` (minus the update) for every key (detached,
+    in the parameter's dtype and device)."""
     for name, p in params.items():
-        p.grad = (-update[name].detach()).to(dtype=p.dtype, device=p.device)
+        p.grad = pseudo_gradient[name].detach().to(dtype=p.dtype, device=p.device)
 
 
 def round_server(
