@@ -5,7 +5,8 @@ traces the client function once (`RoundKind.trace_client`; every program of the 
 that trace instead of running the function again), then reads each candidate's round program
 from its jaxpr, without compiling anything (`_cost.cost`): candidates that vmap would turn into
 grouped convolutions (per-client weights feeding a convolution, on CPU) or whose memory is over
-the budget are ruled out, and the cost model's favourite of the rest is picked (`_pick`): vmap,
+the budget are ruled out, and the cost model's favourite of the rest is picked (`_pick`): vmap
+(on a TPU, per_client where each client's share of the round is large: `AUTO_TPU_CLIENT_FLOPS`),
 unless another needs clearly fewer operations (`AUTO_MARGIN`). Nothing is compiled or run but
 the call itself, whose program is kept, whatever was picked. With `AUTO_TIMING` the candidates
 left are timed instead (`_timing`), within `AUTO_TIME_BOX`. Each decision is also kept on disk
@@ -167,13 +168,14 @@ def _decide(
     costs = {o: _reading.round_cost(kind.program, args, specs, o, bool(grads)) for o in options}
     budget = _pick.memory_budget(budget, costs, device, kind)
     skipped = _pick.ruled_out(costs, budget, device)
-    ranked = _pick.ranked([o for o in options if o not in skipped], costs)
+    first = _pick.per_client_first(costs, device, rows)
+    ranked = _pick.ranked([o for o in options if o not in skipped], costs, first)
     if settings.AUTO_TIMING and len(ranked) > 1:
         times, not_timed = time_candidates(args, ranked, grads, kind, tensors)
         skipped.update(not_timed)
         choice = _pick.pick_timed(options, costs, times, skipped, budget)
     else:
-        choice = _pick.pick_modelled(options, costs, ranked, skipped, budget)
+        choice = _pick.pick_modelled(options, costs, ranked, skipped, budget, first)
     choice = dataclasses.replace(
         choice, signature=signature, measure_seconds=time.perf_counter() - started
     )

@@ -98,11 +98,29 @@ def ruled_out(
     return out
 
 
-def ranked(options: list[Option], costs: dict[Option, Cost | None]) -> list[Option]:
-    """`options` in `auto`'s preference (vmap, larger chunks, per_client), the cost model's
-    favourite first: the first that needs fewer than `AUTO_MARGIN` times the operations of
-    every one preferred to it."""
-    order = sorted(options, key=lambda p: (p[0] == "per_client", -(p[1] or math.inf)))
+def per_client_first(
+    costs: dict[Option, Cost | None], device: DeviceDescription, clients: int
+) -> bool:
+    """Whether per_client heads `auto`'s preference: on a TPU (JAX's or TorchTPU's), where
+    each client's share of vmap's operations is at least `AUTO_TPU_CLIENT_FLOPS`."""
+    vmap = costs.get(("vmap", None))
+    return (
+        device.platform in ("tpu", "torch_tpu")
+        and vmap is not None
+        and clients > 0
+        and vmap.flops / clients >= settings.AUTO_TPU_CLIENT_FLOPS
+    )
+
+
+def ranked(
+    options: list[Option], costs: dict[Option, Cost | None], per_client_first: bool = False
+) -> list[Option]:
+    """`options` in `auto`'s preference (vmap, larger chunks, per_client; per_client first
+    where `per_client_first`), the cost model's favourite first: the first that needs fewer
+    than `AUTO_MARGIN` times the operations of every one preferred to it."""
+    order = sorted(
+        options, key=lambda p: ((p[0] == "per_client") != per_client_first, -(p[1] or math.inf))
+    )
     if not order:
         return order
     best = order[0]
@@ -123,8 +141,10 @@ def pick_modelled(
     ranked: list[Option],
     skipped: dict[Option, str],
     budget: int,
+    per_client_first: bool = False,
 ) -> Choice:
-    """The cost model's favourite, untimed (or the leanest, when all are over the budget)."""
+    """The cost model's favourite, untimed (or the leanest, when all are over the budget);
+    `per_client_first`: as `ranked` was given it (for the reason)."""
     if not ranked:
         return leanest(options, costs, skipped, budget)
     best = ranked[0]
@@ -135,6 +155,12 @@ def pick_modelled(
     elif best[0] == "vmap":
         reason = (
             f"the cost model: no candidate needs {1 - settings.AUTO_MARGIN:.0%} fewer operations"
+        )
+    elif per_client_first and best[0] == "per_client":
+        reason = (
+            "a TPU runs one client at a time faster where each client's share of the round is "
+            f"at least AUTO_TPU_CLIENT_FLOPS operations, and no candidate needs "
+            f"{1 - settings.AUTO_MARGIN:.0%} fewer"
         )
     else:
         reason = (

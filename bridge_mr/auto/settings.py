@@ -34,8 +34,18 @@ AUTO_GPU_MAX_CONV_GROUPS = 64
 #: 905 ms (docs/tpu.md).
 AUTO_TPU_MAX_CONV_GROUPS = 1
 #: On a TPU that TorchTPU runs ("tpu" tensors), the same; None: no grouping is ruled out. On a
-#: v5e, the same round from "tpu" tensors (TorchTPU 0.2.0): vmap 650 ms, per_client 954 ms.
-AUTO_TORCH_TPU_MAX_CONV_GROUPS: int | None = None
+#: v5e, the same round from "tpu" tensors (TorchTPU 0.2.0, its programs compiled at XLA's "O3"):
+#: per_client 381 ms, chunks of 128 852 ms (at TorchTPU's default level vmap had been faster:
+#: 650 against 954 ms).
+AUTO_TORCH_TPU_MAX_CONV_GROUPS: int | None = 1
+#: On a TPU (JAX's or TorchTPU's), per_client is preferred to vmap and chunks (which replace it
+#: only where they need `AUTO_MARGIN` fewer operations) when each client's share of the
+#: round's operations is at least this many: its matrix products then fill the MXU one client
+#: at a time, and batching clients measured slower. On a v5e at torch's "medium" precision:
+#: GPT-2 2x128 FedAvg, 128 clients, per_client 52-54 ms against vmap's 67-79 ms (TorchTPU
+#: tensors: 43 against 67-71 ms); the CNN round of 50 clients 33.6 against 52.9 ms. Below it
+#: (a tiny call: 4 clients of an 8-wide MLP, 2.2 ms either way) vmap stays first.
+AUTO_TPU_CLIENT_FLOPS = 1e8
 #: Time the candidates the cost model leaves, rather than take its favourite. Each timed
 #: candidate is compiled and run (its program kept) a few times, which costs about one first
 #: call each: measuring on a first call what the cost model cannot see.

@@ -119,18 +119,42 @@ def test_a_tpu_rules_out_every_grouped_convolution(clients, monkeypatch):
     assert _choose(_local_conv_steps, *_cnn(clients), V5E, monkeypatch) == expected
 
 
-def test_torch_tpu_keeps_grouped_convolutions_unless_told(monkeypatch):
-    """On a chip TorchTPU runs, vmap's grouped convolutions measured faster than per_client (a
-    500-client CNN round from "tpu" tensors: 650 against 954 ms), so nothing is ruled out;
-    AUTO_TORCH_TPU_MAX_CONV_GROUPS bounds them as AUTO_TPU_MAX_CONV_GROUPS does for JAX's."""
-    assert _choose(_local_conv_steps, *_cnn(500), TORCH_V5E, monkeypatch) == ("vmap", None)
-    monkeypatch.setattr(settings, "AUTO_TORCH_TPU_MAX_CONV_GROUPS", 1)
+def test_torch_tpu_rules_out_grouped_convolutions_unless_told(monkeypatch):
+    """On a chip TorchTPU runs (its programs compiled at "O3"), per_client measured faster than
+    grouped convolutions (a 500-client CNN round from "tpu" tensors: 381 against 852 ms in
+    chunks of 128); AUTO_TORCH_TPU_MAX_CONV_GROUPS = None keeps them."""
     assert _choose(_local_conv_steps, *_cnn(500), TORCH_V5E, monkeypatch) == ("per_client", None)
     choice = auto.map_reduce_choices()[-1]
     skipped = {(c.strategy, c.chunk_size): c.skipped for c in choice.candidates}
     assert all(
         "AUTO_TORCH_TPU_MAX_CONV_GROUPS" in skipped[o] for o in skipped if o[0] != "per_client"
     )
+    monkeypatch.setattr(settings, "AUTO_TORCH_TPU_MAX_CONV_GROUPS", None)
+    assert _choose(_local_conv_steps, *_cnn(500), TORCH_V5E, monkeypatch) == ("vmap", None)
+
+
+@pytest.mark.parametrize("device", [V5E, TORCH_V5E], ids=["jax", "torch_tpu"])
+def test_a_tpu_runs_clients_with_a_large_share_of_the_round_one_at_a_time(device, monkeypatch):
+    params = {"w1": torch.zeros(64, 256), "w2": torch.zeros(256, 64)}
+    clients = {"x": torch.zeros(8, 32, 64)}
+    share = 2 * (2 * 32 * 64 * 256)  # one client's two products (no gradients here)
+    monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", share)
+    assert _choose(_mlp, params, clients, device, monkeypatch) == ("per_client", None)
+    assert "AUTO_TPU_CLIENT_FLOPS" in auto.map_reduce_choices()[-1].reason
+    assert _choose(_mlp, params, clients, H200, monkeypatch) == ("vmap", None)
+    assert _choose(_mlp, params, clients, SMALL_CPU, monkeypatch) == ("vmap", None)
+    monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", share + 1)
+    assert _choose(_mlp, params, clients, device, monkeypatch) == ("vmap", None)
+
+
+def test_on_a_tpu_a_candidate_needing_fewer_operations_still_replaces_per_client(monkeypatch):
+    """per_client heads the preference on a TPU, and the margin still lets a candidate that
+    needs fewer operations replace it (an AUTO_MARGIN above 1 makes vmap's equal count enough)."""
+    params = {"w1": torch.zeros(64, 256), "w2": torch.zeros(256, 64)}
+    clients = {"x": torch.zeros(8, 32, 64)}
+    monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", 1.0)
+    monkeypatch.setattr(settings, "AUTO_MARGIN", 1.01)  # vmap's equal count is now "fewer"
+    assert _choose(_mlp, params, clients, V5E, monkeypatch) == ("vmap", None)
 
 
 def test_a_gpus_budget_is_half_its_memory_where_a_cpu_holds_vmap_to_the_leanest(monkeypatch):
@@ -162,17 +186,19 @@ def test_every_setting_is_part_of_a_decisions_name_on_disk(monkeypatch):
     auto.forget_choices()
     _choose(_local_conv_steps, server, clients, H200, monkeypatch)
     before = set(auto.directory().glob("*.json"))
-    monkeypatch.setattr(settings, "AUTO_TORCH_TPU_MAX_CONV_GROUPS", 2)  # the last one added
+    monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", 2.0)  # the last one added
     auto.forget_choices()
     _choose(_local_conv_steps, server, clients, H200, monkeypatch)
     assert len(set(auto.directory().glob("*.json")) - before) == 1
 
 
 def test_torch_tpu_still_rules_out_what_is_over_the_budget(monkeypatch):
-    """Keeping grouped convolutions on TorchTPU's chip does not keep what its memory cannot
-    hold: on a chip of 64 KiB, vmap of 500 clients is over the budget there too."""
+    """Keeping grouped convolutions on TorchTPU's chip (AUTO_TORCH_TPU_MAX_CONV_GROUPS = None)
+    does not keep what its memory cannot hold: on a chip of 64 KiB, vmap of 500 clients is
+    over the budget there too."""
     small = auto.DeviceDescription("torch_tpu", "TPU v5e", 64 * 2**10)
     monkeypatch.setattr(settings, "AUTO_MEMORY_FLOOR", 0)
+    monkeypatch.setattr(settings, "AUTO_TORCH_TPU_MAX_CONV_GROUPS", None)
     assert _choose(_local_conv_steps, *_cnn(500), small, monkeypatch) != ("vmap", None)
     choice = auto.map_reduce_choices()[-1]
     skipped = {(c.strategy, c.chunk_size): c.skipped for c in choice.candidates}
