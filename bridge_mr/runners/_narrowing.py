@@ -1,9 +1,7 @@
 """64-bit integer tensors for int32 / uint32 inputs (x64 off), cast on their device.
 
 For runners whose programs take torch tensors on the device itself (torch-xla's lazy graph,
-TorchTPU's kernels), not through DLPack (which narrows in `bridge_mr.dlpack.jit_arguments`):
-`narrow` checks and casts them in torch; `as_pairs` and `from_pairs` let a program take their
-32-bit words instead, and check and narrow them itself (TorchTPU: no extra device op).
+TorchTPU's kernels), not through DLPack (which narrows in `bridge_mr.dlpack.jit_arguments`).
 """
 
 from __future__ import annotations
@@ -11,9 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 
 from bridge_mr import _dtypes
@@ -52,18 +47,3 @@ def narrow(inputs: list[Any], indices: Sequence[int], names: Sequence[str] | Non
         _dtypes.check_narrowable(name_of(i), inputs[i].dtype, low, high)
         narrowed[i] = inputs[i].to(target)
     return narrowed
-
-
-def as_pairs(tensor: torch.Tensor) -> torch.Tensor:
-    """An int64 / uint64 tensor's 32-bit words: int32, shape `(*tensor.shape, 2)`, the low word
-    first (torch reinterprets the bytes, little-endian); a view where `tensor` is contiguous."""
-    return tensor.contiguous().reshape(*tensor.shape, 1).view(torch.int32)
-
-
-def from_pairs(pairs: jax.Array, target: np.dtype) -> tuple[jax.Array, jax.Array]:
-    """The values `as_pairs` gave the words of, as `target` (int32 or uint32), and whether all
-    of them fit it (the high word is the low word's sign for int32, zero for uint32)."""
-    low, high = pairs[..., 0], pairs[..., 1]
-    if np.dtype(target) == np.dtype(np.uint32):
-        return jax.lax.bitcast_convert_type(low, jnp.uint32), jnp.all(high == 0)
-    return low, jnp.all(high == jnp.right_shift(low, 31))
