@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-_INT32 = np.iinfo(np.int32)
+#: The 32-bit dtype JAX holds each 64-bit integer dtype as while its 64-bit mode is off.
+_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32)}
 
 
 def is_array(value: Any) -> bool:
@@ -44,12 +45,12 @@ def check_one_place(owner: str, fields: Mapping[str, Any]) -> None:
 def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, jax.Array]:
     """`fields` (torch tensors or JAX arrays) as JAX arrays on `device`, each copied there once.
 
-    While JAX's 64-bit mode is off, int64 fields become int32 (their values checked to fit);
-    float64 ones are refused (JAX would narrow them silently).
+    While JAX's 64-bit mode is off, int64 / uint64 fields become int32 / uint32 (their values
+    checked to fit); float64 ones are refused (JAX would narrow them silently).
 
     Raises:
       TypeError: a float64 / complex128 field with x64 off.
-      ValueError: an int64 field holds a value outside int32.
+      ValueError: an int64 / uint64 field holds a value outside int32 / uint32.
     """
     moved = {}
     for name, value in fields.items():
@@ -62,14 +63,17 @@ def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, j
                     "64-bit mode on (jax.config.update('jax_enable_x64', True)). Fix: convert it "
                     "first (x.float()), or enable x64."
                 )
-            if value.dtype == np.int64:
-                if value.size and (value.min() < _INT32.min or value.max() > _INT32.max):
+            narrow = _NARROW.get(value.dtype)
+            if narrow is not None:
+                bounds = np.iinfo(narrow)
+                if value.size and (value.min() < bounds.min or value.max() > bounds.max):
                     raise ValueError(
-                        f"{owner}: field {name!r} is int64 and holds values outside int32 "
-                        f"([{value.min()}, {value.max()}]), which JAX holds as int32 while "
-                        "64-bit mode is off. Fix: enable x64, or map the values into int32."
+                        f"{owner}: field {name!r} is {value.dtype} and holds values outside "
+                        f"{narrow} ([{value.min()}, {value.max()}]), which JAX holds as {narrow} "
+                        f"while 64-bit mode is off. Fix: enable x64, or map the values into "
+                        f"{narrow}."
                     )
-                value = value.astype(np.int32)
+                value = value.astype(narrow)
         moved[name] = jax.device_put(value, device)
     return moved
 

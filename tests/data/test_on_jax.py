@@ -85,6 +85,14 @@ def test_bfloat16_fields_and_dp_fedavg_without_a_mask():
     assert float(metrics["clients"]) == 6
 
 
+def test_unsigned_64_bit_fields_become_uint32_on_the_device():
+    ids = torch.tensor([0, 0, 1, 1])  # already grouped by client: the order is kept
+    y = torch.tensor([0, 1, 2, 2**32 - 1], dtype=torch.uint64)
+    on_jax = fd.FederatedDataset.from_tensors({"y": y}, ids).to(jax.devices("cpu")[0])
+    assert on_jax.examples["y"].dtype == np.uint32
+    assert np.asarray(on_jax.examples["y"]).tolist() == [0, 1, 2, 2**32 - 1]
+
+
 def test_fields_jax_cannot_hold_are_refused_with_the_fix():
     ids = torch.arange(4) % 2
     with pytest.raises(TypeError, match=r"field 'x' is float64.*x.float\(\)"):
@@ -94,6 +102,8 @@ def test_fields_jax_cannot_hold_are_refused_with_the_fix():
     big = torch.tensor([0, 1, 2, 2**40])
     with pytest.raises(ValueError, match=r"field 'y' is int64 and holds values outside int32"):
         fd.FederatedDataset.from_tensors({"y": big}, ids).to(jax.devices("cpu")[0])
+    with pytest.raises(ValueError, match=r"field 'y' is uint64 and holds values outside uint32"):
+        fd.FederatedDataset.from_tensors({"y": big.to(torch.uint64)}, ids).to(jax.devices("cpu")[0])
     on_jax = fd.FederatedDataset.from_tensors({"x": torch.zeros(4)}, ids).to(jax.devices("cpu")[0])
     with pytest.raises(TypeError, match=r"the examples are JAX arrays; a torch device"):
         on_jax.to("cpu")
