@@ -113,7 +113,7 @@ def per_client_first(
 
 
 def ranked(
-    options: list[Option], costs: dict[Option, Cost | None], per_client_first: bool = False
+    options: list[Option], costs: dict[Option, Cost | None], per_client_first: bool
 ) -> list[Option]:
     """`options` in `auto`'s preference (vmap, larger chunks, per_client; per_client first
     where `per_client_first`), the cost model's favourite first: the first that needs fewer
@@ -141,7 +141,7 @@ def pick_modelled(
     ranked: list[Option],
     skipped: dict[Option, str],
     budget: int,
-    per_client_first: bool = False,
+    per_client_first: bool,
 ) -> Choice:
     """The cost model's favourite, untimed (or the leanest, when all are over the budget);
     `per_client_first`: as `ranked` was given it (for the reason)."""
