@@ -173,7 +173,7 @@ def _decide(
     if settings.AUTO_TIMING and len(ranked) > 1:
         times, not_timed = time_candidates(args, ranked, grads, kind, tensors)
         skipped.update(not_timed)
-        choice = _pick.pick_timed(options, costs, times, skipped, budget)
+        choice = _pick.pick_timed(options, costs, times, skipped, budget, first)
     else:
         choice = _pick.pick_modelled(options, costs, ranked, skipped, budget, first)
     choice = dataclasses.replace(

@@ -189,19 +189,22 @@ def pick_timed(
     times: dict[Option, list[float]],
     skipped: dict[Option, str],
     budget: int,
+    per_client_first: bool,
 ) -> Choice:
-    """The fastest timed candidate; vmap unless another is clearly (`AUTO_MARGIN`) faster."""
+    """The fastest timed candidate; the preference's head (per_client where
+    `per_client_first`, else vmap) unless another is clearly (`AUTO_MARGIN`) faster."""
     candidates = _report.candidates(options, costs, skipped, times)
     timed = [c for c in candidates if c.seconds is not None]
     best = min(timed, key=lambda c: c.seconds or 0.0)
-    vmap = next((c for c in timed if c.strategy == "vmap"), None)
-    if vmap is None:
-        reason = "the fastest of those timed (vmap was ruled out)"
-    elif best is vmap:
+    head = "per_client" if per_client_first else "vmap"
+    preferred = next((c for c in timed if c.strategy == head), None)
+    if preferred is None:
+        reason = f"the fastest of those timed ({head} was ruled out)"
+    elif best is preferred:
         reason = "the fastest"
-    elif (best.seconds or 0.0) < settings.AUTO_MARGIN * (vmap.seconds or 0.0):
-        reason = f"faster than vmap by more than {1 - settings.AUTO_MARGIN:.0%}"
+    elif (best.seconds or 0.0) < settings.AUTO_MARGIN * (preferred.seconds or 0.0):
+        reason = f"faster than {head} by more than {1 - settings.AUTO_MARGIN:.0%}"
     else:
-        best = vmap
-        reason = f"no candidate beats vmap by more than {1 - settings.AUTO_MARGIN:.0%}"
+        best = preferred
+        reason = f"no candidate beats {head} by more than {1 - settings.AUTO_MARGIN:.0%}"
     return Choice("", best.strategy, best.chunk_size, reason, candidates, budget, 0.0)

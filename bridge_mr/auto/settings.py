@@ -14,8 +14,9 @@ from __future__ import annotations
 
 #: The chunk sizes `auto` considers (those below the number of clients).
 AUTO_CHUNK_SIZES: tuple[int, ...] = (16, 128)
-#: A candidate replaces one `auto` prefers (vmap, then larger chunks, then per_client) only
-#: when its operation count (or, timed, its median time) is below this fraction of that one's.
+#: A candidate replaces one `auto` prefers (vmap, then larger chunks, then per_client; on a TPU
+#: per_client first, see `AUTO_TPU_CLIENT_FLOPS`) only when its operation count (or, timed, its
+#: median time) is below this fraction of that one's.
 AUTO_MARGIN = 0.9
 #: On CPU, without `memory_budget_bytes`, a candidate estimated to need over this many times
 #: the leanest candidate's memory, and over `AUTO_MEMORY_FLOOR` bytes, is ruled out (vmap of a

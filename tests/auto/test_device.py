@@ -16,6 +16,7 @@ import torch
 from jax import lax
 
 from bridge_mr import auto, jax_core
+from bridge_mr.auto import _choose as choosing
 from bridge_mr.auto import _device, settings
 
 H200 = auto.DeviceDescription("gpu", "NVIDIA H200", 150_000_000_000)
@@ -203,3 +204,30 @@ def test_torch_tpu_still_rules_out_what_is_over_the_budget(monkeypatch):
     choice = auto.map_reduce_choices()[-1]
     skipped = {(c.strategy, c.chunk_size): c.skipped for c in choice.candidates}
     assert "over the memory budget" in skipped[("vmap", None)]
+
+
+@pytest.mark.parametrize(
+    ("device", "kept"), [(V5E, "per_client"), (TORCH_V5E, "per_client"), (H200, "vmap")]
+)
+def test_timing_breaks_ties_toward_the_devices_preference(device, kept, monkeypatch):
+    """With AUTO_TIMING, a tie keeps the preference's head (per_client on a TPU where each
+    client's share is at least AUTO_TPU_CLIENT_FLOPS, else vmap); a candidate clearly
+    (AUTO_MARGIN) faster than it still wins."""
+    params = {"w1": torch.zeros(64, 256), "w2": torch.zeros(256, 64)}
+    clients = {"x": torch.zeros(8, 32, 64)}
+    monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", 1.0)
+    monkeypatch.setattr(settings, "AUTO_TIMING", True)
+    seconds: dict[tuple[str, int | None], float] = {}
+
+    def timed(args, ranked, grads, kind, tensors):
+        return {o: [seconds.get(o, 1.0)] for o in ranked}, {}
+
+    monkeypatch.setattr(choosing, "time_candidates", timed)
+    other = ("vmap", None) if kept == "per_client" else ("per_client", None)
+    seconds[other] = 0.95  # Faster, but within the margin: a tie.
+    assert _choose(_mlp, params, clients, device, monkeypatch) == (kept, None)
+    assert auto.map_reduce_choices()[-1].reason == f"no candidate beats {kept} by more than 10%"
+    seconds[other] = 0.5
+    auto.forget_choices()
+    assert _choose(_mlp, params, clients, device, monkeypatch) == other
+    assert auto.map_reduce_choices()[-1].reason == f"faster than {kept} by more than 10%"
