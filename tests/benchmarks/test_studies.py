@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -119,3 +120,53 @@ def test_profile_torch_tpu_times_a_rounds_parts_and_replays_saved_programs(
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [e["event"] for e in events] == ["replay", "replay_medians"]
     assert events[1]["program_0.bin"] > 0
+
+
+def test_bench_cnn_forms_pools_route_ties_as_reduce_window() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    study = benchmark("studies.bench_cnn_forms")
+    x = jnp.round(jax.random.normal(jax.random.key(0), (2, 3, 8, 6)))  # many ties
+    x = x.at[0, 0, :2, :2].set(jnp.nan)  # a window of NaNs
+    weights = jax.random.normal(jax.random.key(1), (2, 3, 4, 3))
+    for nhwc in (False, True):
+        y = jnp.transpose(x, (0, 2, 3, 1)) if nhwc else x
+        w = jnp.transpose(weights, (0, 2, 3, 1)) if nhwc else weights
+        reshaped, windowed = (
+            study.pool_reshape(nhwc),
+            functools.partial(study.pool_reduce_window, nhwc=nhwc),
+        )
+        got = jax.grad(lambda v, pool=reshaped, w=w: jnp.nansum(pool(v) * w))(y)
+        want = jax.grad(lambda v, pool=windowed, w=w: jnp.nansum(pool(v) * w))(y)
+        assert jnp.array_equal(
+            study.pool_reshape(nhwc)(y), study.pool_reduce_window(y, nhwc), equal_nan=True
+        )
+        assert jnp.array_equal(got, want), (nhwc, got - want)
+
+
+@pytest.mark.slow
+def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.CaptureFixture) -> None:
+    study = benchmark("studies.bench_cnn_forms")
+    variants = ["vmap:rw:nchw", "map:rs:nchw", "map:rs:nhwc"]
+    argv = ["--rows", "2:highest", "--variants", *variants, "--reps", "1", "--cpu-reference"]
+    assert study.main(argv) == 0
+    out = capsys.readouterr().out
+    done = [json.loads(line) for line in out.splitlines() if '"median_s"' in line]
+    assert [r["variant"] for r in done] == variants
+    assert all(r["median_s"] > 0 and r["tflop_per_s"] > 0 for r in done)
+    by = {r["variant"]: r for r in done}
+    assert by["map:rs:nchw"]["error_vs_first"] == 0.0  # The same arithmetic on the CPU.
+    assert by["map:rs:nhwc"]["error_vs_first"] < 1e-4  # Convolutions summed in another order.
+    assert set(by["map:rs:nchw"]["error_vs_cpu"]) == {
+        "b1",
+        "b2",
+        "c1",
+        "c2",
+        "d1",
+        "d2",
+        "l1",
+        "l2",
+    }
+    with pytest.raises(SystemExit):
+        study.main(["--variants", "vmap:rw"])

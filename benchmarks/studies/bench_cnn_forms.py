@@ -1,0 +1,274 @@
+"""The CNN round written in JAX by hand, in several forms, side by side in one process (issue 42).
+
+    python -m benchmarks.studies.bench_cnn_forms [--rows 50:medium ...] [--variants ...]
+        [--reps N] [--cpu-reference] [--profile]
+
+The round is the accelerator case's CNN row (pfl-research's CIFAR10 simple_cnn: conv 3->32,
+conv 32->64, 2x2 max-pool, linear 12,544->128, linear 128->10; 5 local SGD steps of 10 images
+per client, the mean delta added to the server's parameters), written directly in JAX rather
+than through `from_torch`, so that each choice a lowering could make is one flag. A variant is
+FORM:POOL:LAYOUT:
+
+* FORM "vmap" (`jax.vmap` over clients: per-client kernels become grouped convolutions) or
+  "map" (`lax.scan` over clients, one client at a time, as bridge_mr's per_client);
+* POOL "rw" (`lax.reduce_window`, as torchax lowers `max_pool2d`; JAX's gradient is a
+  select-and-scatter) or "rs" (a reshape and a max, whose gradient goes to the window's first
+  maximum, torch's choice, elementwise);
+* LAYOUT "nchw" (torch's) or "nhwc".
+
+A row is CLIENTS:PRECISION (torch's name: "highest", "high" or "medium"). Per row, each
+variant's first call apart, then `--reps` rounds interleaved; each variant's delta against the
+first variant's (max |difference| / max |value| over the parameters), and with
+`--cpu-reference` against the first variant on the host CPU, per parameter (a ReLU whose input
+rounds to the other side of 0 moves a convolution's gradient by ~1e-2 of its largest entry:
+compare variants, not single digits). With `--profile`, each variant's device ops
+(`bench_conv_lowering.device_ops`). Results are JSON lines as they come, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from benchmarks.studies import bench_conv_lowering
+
+STEPS, BATCH, LR = 5, 10, 0.05
+#: torch's float32 matmul precision -> JAX's name for it.
+PRECISION = {"highest": "highest", "high": "high", "medium": "bfloat16"}
+VARIANTS = ("vmap:rw:nchw", "vmap:rs:nchw", "map:rw:nchw", "map:rs:nchw", "map:rs:nhwc")
+#: One example's forward and backward operations (3x the forward's).
+FLOPS_PER_EXAMPLE = 3 * 2 * (30 * 30 * 32 * 27 + 28 * 28 * 64 * 288 + 12544 * 128 + 128 * 10)
+
+
+def pool_reduce_window(x: Any, nhwc: bool) -> Any:
+    import jax
+
+    dims = (1, 2, 2, 1) if nhwc else (1, 1, 2, 2)
+    return jax.lax.reduce_window(x, -np.inf, jax.lax.max, dims, dims, "VALID")
+
+
+def pool_reshape(nhwc: bool) -> Callable[[Any], Any]:
+    """2x2 max-pool as a reshape and a max; its JVP routes each window's tangent from the first
+    maximum in row-major order (torch's choice, and `reduce_window`'s)."""
+    import jax
+    import jax.numpy as jnp
+
+    def windows(x: Any) -> Any:
+        if nhwc:
+            n, h, w, c = x.shape
+            return x.reshape(n, h // 2, 2, w // 2, 2, c)
+        n, c, h, w = x.shape
+        return x.reshape(n, c, h // 2, 2, w // 2, 2)
+
+    def at(x: Any, i: int, j: int) -> Any:
+        return x[:, :, i, :, j] if nhwc else x[:, :, :, i, :, j]
+
+    axes = (2, 4) if nhwc else (3, 5)
+
+    @jax.custom_jvp
+    def pool(x: Any) -> Any:
+        return windows(x).max(axis=axes)
+
+    @pool.defjvp
+    def _(primals: Any, tangents: Any) -> Any:
+        xr, tr = windows(primals[0]), windows(tangents[0])
+        y = xr.max(axis=axes)
+        found = jnp.zeros(y.shape, bool)
+        out = jnp.zeros(y.shape, tr.dtype)
+        for i in range(2):
+            for j in range(2):
+                chosen = (at(xr, i, j) == y) & ~found
+                found = found | chosen
+                out = out + jnp.where(chosen, at(tr, i, j), 0)
+        return y, out
+
+    return pool
+
+
+def init(key: Any) -> dict[str, Any]:
+    """The server's parameters, torch's names and shapes (OIHW kernels, [out, in] weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(key, 4)
+
+    def uniform(k: Any, shape: tuple[int, ...], fan_in: int) -> Any:
+        return jax.random.uniform(k, shape, jnp.float32, -1, 1) / np.sqrt(fan_in)
+
+    return {
+        "c1": uniform(keys[0], (32, 3, 3, 3), 27), "b1": jnp.zeros(32),
+        "c2": uniform(keys[1], (64, 32, 3, 3), 288), "b2": jnp.zeros(64),
+        "l1": uniform(keys[2], (128, 12544), 12544), "d1": jnp.zeros(128),
+        "l2": uniform(keys[3], (10, 128), 128), "d2": jnp.zeros(10),
+    }  # fmt: skip
+
+
+def make_round(variant: str) -> Callable[..., Any]:
+    """The jitted round (server params, images [C, steps, batch, 3, 32, 32], labels) -> params."""
+    import jax
+    import jax.numpy as jnp
+
+    form, pool_name, layout = variant.split(":")
+    if (
+        form not in ("vmap", "map")
+        or pool_name not in ("rw", "rs")
+        or layout not in ("nchw", "nhwc")
+    ):
+        raise SystemExit(f"--variants: expected FORM:POOL:LAYOUT as {VARIANTS[0]}, got {variant!r}")
+    nhwc = layout == "nhwc"
+    pool = (
+        functools.partial(pool_reduce_window, nhwc=nhwc)
+        if pool_name == "rw"
+        else pool_reshape(nhwc)
+    )
+    dn = ("NHWC", "OIHW", "NHWC") if nhwc else ("NCHW", "OIHW", "NCHW")
+    bias = (1, 1, 1, -1) if nhwc else (1, -1, 1, 1)
+
+    def loss(p: Any, x: Any, y: Any) -> Any:
+        h = jnp.transpose(x, (0, 2, 3, 1)) if nhwc else x
+        for kernel, b in (("c1", "b1"), ("c2", "b2")):
+            h = jax.lax.conv_general_dilated(h, p[kernel], (1, 1), "VALID", dimension_numbers=dn)
+            h = jax.nn.relu(h + p[b].reshape(bias))
+        h = pool(h)
+        h = jnp.transpose(h, (0, 3, 1, 2)) if nhwc else h  # torch's flatten order
+        h = jax.nn.relu(h.reshape(h.shape[0], -1) @ p["l1"].T + p["d1"])
+        logits = h @ p["l2"].T + p["d2"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    def client(p: Any, xs: Any, ys: Any) -> Any:
+        def step(q: Any, batch: Any) -> tuple[Any, None]:
+            g = jax.grad(loss)(q, *batch)
+            return jax.tree.map(lambda a, d: a - LR * d, q, g), None
+
+        return jax.tree.map(jnp.subtract, jax.lax.scan(step, p, (xs, ys))[0], p)
+
+    @jax.jit
+    def round_(p: Any, xs: Any, ys: Any) -> Any:
+        if form == "vmap":
+            deltas = jax.vmap(client, in_axes=(None, 0, 0))(p, xs, ys)
+            delta = jax.tree.map(lambda a: a.mean(0), deltas)
+        else:
+
+            def add(total: Any, batch: Any) -> tuple[Any, None]:
+                return jax.tree.map(jnp.add, total, client(p, *batch)), None
+
+            total = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, p), (xs, ys))[0]
+            delta = jax.tree.map(lambda a: a / xs.shape[0], total)
+        return jax.tree.map(jnp.add, p, delta)
+
+    return round_
+
+
+def _errors(got: Any, want: Any) -> dict[str, float]:
+    return {
+        k: float(np.max(np.abs(np.asarray(got[k]) - np.asarray(want[k]))))
+        / max(float(np.max(np.abs(np.asarray(want[k])))), 1e-30)
+        for k in sorted(want)
+    }
+
+
+def run_row(
+    clients: int, precision: str, variants: list[str], reps: int, cpu: bool, profile: bool
+) -> list[dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+
+    row = f"cnn/c{clients}/{precision}"
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((clients, STEPS, BATCH, 3, 32, 32), np.float32)
+    labels = rng.integers(0, 10, (clients, STEPS, BATCH)).astype(np.int32)
+    device = jax.devices()[0]
+    args = jax.device_put((init(jax.random.key(0)), images, labels), device)
+
+    def delta(out: Any, server: Any) -> dict[str, Any]:
+        return jax.tree.map(jnp.subtract, out, server)
+
+    rounds, entries, first = {}, {}, None
+    with jax.default_matmul_precision(PRECISION[precision]):
+        for name in variants:
+            entry: dict[str, Any] = {"row": row, "variant": name}
+            start = time.perf_counter()
+            try:
+                fn = make_round(name)
+                out = delta(jax.block_until_ready(fn(*args)), args[0])
+            except Exception as error:  # Out of memory, mostly: the row says so and goes on.
+                entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                print(json.dumps(entry), flush=True)
+                continue
+            entry["first_s"] = time.perf_counter() - start
+            first = out if first is None else first
+            entry["error_vs_first"] = max(_errors(out, first).values())
+            if cpu:
+                host = jax.device_put(args, jax.devices("cpu")[0])
+                want = delta(make_round(variants[0])(*host), host[0])
+                entry["error_vs_cpu"] = _errors(out, want)
+            rounds[name], entries[name] = fn, entry
+            entry["times"] = []
+            print(json.dumps(entry), flush=True)
+        names = list(rounds)
+        for rep in range(reps):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                start = time.perf_counter()
+                jax.block_until_ready(rounds[name](*args))
+                entries[name]["times"].append(time.perf_counter() - start)
+        for name in names if profile else []:
+            fn = rounds[name]
+            ops = bench_conv_lowering.device_ops(lambda fn=fn: jax.block_until_ready(fn(*args)))
+            print(json.dumps({"row": row, "variant": name, **ops}), flush=True)
+    flops = clients * STEPS * BATCH * FLOPS_PER_EXAMPLE
+    for entry in entries.values():
+        if entry["times"]:
+            entry["median_s"] = statistics.median(entry["times"])
+            entry["tflop_per_s"] = flops / entry["median_s"] / 1e12
+        print(json.dumps(entry), flush=True)
+    return list(entries.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="+", default=["50:medium", "50:highest", "500:medium"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cpu-reference", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="device ops of one round each")
+    args = parser.parse_args(argv)
+    for spec in args.rows:
+        clients, _, precision = spec.partition(":")
+        if not clients.isdigit() or precision not in PRECISION:
+            parser.error(f"--rows: expected CLIENTS:PRECISION as 50:medium, got {spec!r}")
+    for variant in args.variants:
+        parts = variant.split(":")
+        if (
+            len(parts) != 3
+            or parts[0] not in ("vmap", "map")
+            or parts[1] not in ("rw", "rs")
+            or (parts[2] not in ("nchw", "nhwc"))
+        ):
+            parser.error(f"--variants: expected FORM:POOL:LAYOUT as {VARIANTS[0]}, got {variant!r}")
+    rows = []
+    for spec in args.rows:
+        clients, _, precision = spec.partition(":")
+        rows += run_row(
+            int(clients), precision, args.variants, args.reps, args.cpu_reference, args.profile
+        )
+    print("| row | variant | first call s | median | TFLOP/s | vs first variant |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        median = f"{r['median_s'] * 1e3:.1f} ms" if "median_s" in r else "—"
+        rate = f"{r['tflop_per_s']:.2f}" if "tflop_per_s" in r else "—"
+        print(
+            f"| {r['row']} | {r['variant']} | {r['first_s']:.2f} | {median} | {rate} | "
+            f"{r['error_vs_first']:.1e} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
