@@ -16,6 +16,10 @@
 #             products, 50 / 500 / 2000 clients, medium and highest, in one process
 #             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
 #             $CONVS_S seconds, default 330; $CONVS_ROWS: other rows, e.g. "50:medium 500:medium")
+#   forms     the CNN round hand-written in JAX, side by side in one process: vmap or one client
+#             at a time, max-pool by reduce_window or by a reshape, NCHW or NHWC, 50 and 500
+#             clients (benchmarks/studies/bench_cnn_forms.py; 50 highest against the host CPU
+#             too, and where the per-client round's time goes on the chip: --profile)
 #   resident  the CNN round, 50 and 500 clients, medium: bridge_mr with host client data,
 #             bridge_mr_resident (client data on the chip as JAX arrays), pure JAX
 #   call      the tiny call's time and its host-side profile: bridge_mr beside pure JAX with and
@@ -97,6 +101,20 @@ convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows s
   [ "$code" -eq 0 ] || { echo "tpu_bench: convs exited $code"; status=1; }
 }
 
+forms() {  # the hand-written forms of the CNN round, each row's variants in one process
+  local row variants
+  for row in "50:medium:--profile" "50:highest:--cpu-reference" "500:medium:" "500:highest:"; do
+    IFS=: read -r clients precision flag <<<"$row"
+    variants="vmap:rw:nchw vmap:rs:nchw map:rw:nchw map:rs:nchw map:rs:nhwc"
+    [ "$clients" = 500 ] && variants="map:rw:nchw map:rs:nchw map:rs:nhwc"
+    [ "$clients:$precision" = 500:medium ] && variants="vmap:rw:nchw $variants"
+    # shellcheck disable=SC2086
+    timeout -k 10 150 python3 -m benchmarks.studies.bench_cnn_forms --rows "$clients:$precision" \
+      --variants $variants --reps 5 $flag 2>&1 | grep -v -i warn | tee -a "$OUT/bench_forms.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: forms $clients:$precision failed"; status=1; }
+  done
+}
+
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tiny cnn50 cnn gpt2 cache)
 for part in "${parts[@]}"; do
@@ -123,6 +141,7 @@ for part in "${parts[@]}"; do
     resident) bench resident 270 --models cnn --clients 50 500 --precision medium --reps 3 \
                 --alternatives bridge_mr bridge_mr_resident pure_jax ;;
     convs) convs ;;
+    forms) forms ;;
     call) timeout -k 10 150 python3 -m benchmarks.studies.profile_call --device tpu 2>&1 \
             | tee "$OUT/profile_call.txt"
           [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: call failed"; status=1; } ;;
@@ -134,7 +153,7 @@ for part in "${parts[@]}"; do
     raw:*) rest=${part#raw:}  # the alternative may hold colons (bridge_mr:chunks:16)
            precision=${rest##*:}; rest=${rest%:*}; clients=${rest##*:}; rest=${rest%:*}
            model=${rest##*:}; raw "${rest%:*}" "$model" "$clients" "$precision" ;;
-    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache, resident, convs, call, raw:..., ttprof:..., replay:...)"; status=1 ;;
+    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache, resident, convs, forms, call, raw:..., ttprof:..., replay:...)"; status=1 ;;
   esac
 done
 exit $status

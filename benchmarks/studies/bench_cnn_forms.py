@@ -190,7 +190,7 @@ def run_row(
     def delta(out: Any, server: Any) -> dict[str, Any]:
         return jax.tree.map(jnp.subtract, out, server)
 
-    rounds, entries, first = {}, {}, None
+    rounds, entries, first, on_cpu = {}, {}, None, None
     with jax.default_matmul_precision(PRECISION[precision]):
         for name in variants:
             entry: dict[str, Any] = {"row": row, "variant": name}
@@ -205,10 +205,11 @@ def run_row(
             entry["first_s"] = time.perf_counter() - start
             first = out if first is None else first
             entry["error_vs_first"] = max(_errors(out, first).values())
-            if cpu:
+            if cpu and on_cpu is None:
                 host = jax.device_put(args, jax.devices("cpu")[0])
-                want = delta(make_round(variants[0])(*host), host[0])
-                entry["error_vs_cpu"] = _errors(out, want)
+                on_cpu = delta(make_round(variants[0])(*host), host[0])
+            if on_cpu is not None:
+                entry["error_vs_cpu"] = _errors(out, on_cpu)
             rounds[name], entries[name] = fn, entry
             entry["times"] = []
             print(json.dumps(entry), flush=True)
