@@ -17,7 +17,8 @@
 #             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
 #             $CONVS_S seconds, default 330; $CONVS_ROWS: other rows, e.g. "50:medium 500:medium")
 #   forms     the CNN round hand-written in JAX, side by side in one process: vmap or one client
-#             at a time, max-pool by reduce_window or by a reshape, NCHW or NHWC, 50 and 500
+#             at a time, max-pool by reduce_window or by a reshape, NCHW or NHWC, flattened or
+#             contracted whole by the linear layer (:dot), 50 and 500
 #             clients (benchmarks/studies/bench_cnn_forms.py; 50 highest against the host CPU
 #             too, and where the per-client round's time goes on the chip: --profile)
 #   resident  the CNN round, 50 and 500 clients, medium: bridge_mr with host client data,
@@ -105,8 +106,9 @@ forms() {  # the hand-written forms of the CNN round, each row's variants in one
   local row variants
   for row in "50:medium:--profile" "50:highest:--cpu-reference" "500:medium:" "500:highest:"; do
     IFS=: read -r clients precision flag <<<"$row"
-    variants="vmap:rw:nchw vmap:rs:nchw map:rw:nchw map:rs:nchw map:rs:nhwc"
-    [ "$clients" = 500 ] && variants="map:rw:nchw map:rs:nchw map:rs:nhwc"
+    variants="vmap:rw:nchw vmap:rs:nchw map:rw:nchw map:rs:nchw map:rs:nhwc map:rs:nchw:dot"
+    variants="$variants map:rs:nhwc:dot"
+    [ "$clients" = 500 ] && variants="map:rw:nchw map:rs:nchw map:rs:nchw:dot map:rs:nhwc:dot"
     [ "$clients:$precision" = 500:medium ] && variants="vmap:rw:nchw $variants"
     # shellcheck disable=SC2086
     timeout -k 10 150 python3 -m benchmarks.studies.bench_cnn_forms --rows "$clients:$precision" \

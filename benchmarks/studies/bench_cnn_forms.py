@@ -7,14 +7,18 @@ The round is the accelerator case's CNN row (pfl-research's CIFAR10 simple_cnn: 
 conv 32->64, 2x2 max-pool, linear 12,544->128, linear 128->10; 5 local SGD steps of 10 images
 per client, the mean delta added to the server's parameters), written directly in JAX rather
 than through `from_torch`, so that each choice a lowering could make is one flag. A variant is
-FORM:POOL:LAYOUT:
+FORM:POOL:LAYOUT[:dot]:
 
 * FORM "vmap" (`jax.vmap` over clients: per-client kernels become grouped convolutions) or
   "map" (`lax.scan` over clients, one client at a time, as bridge_mr's per_client);
 * POOL "rw" (`lax.reduce_window`, as torchax lowers `max_pool2d`; JAX's gradient is a
   select-and-scatter) or "rs" (a reshape and a max, whose gradient goes to the window's first
   maximum, torch's choice, elementwise);
-* LAYOUT "nchw" (torch's) or "nhwc".
+* LAYOUT "nchw" (torch's) or "nhwc";
+* an optional ":dot": the first linear layer contracts the pooled activations' channels and
+  positions directly (its weights seen as [128, C, H, W]) instead of a flattened copy in torch's
+  (C, H, W) order. On the chip, XLA lays the per-client activations out with the batch between
+  positions and channels, so flattening them copies twice a step.
 
 A row is CLIENTS:PRECISION (torch's name: "highest", "high" or "medium"). Per row, each
 variant's first call apart, then `--reps` rounds interleaved; each variant's delta against the
@@ -42,7 +46,10 @@ from benchmarks.studies import bench_conv_lowering
 STEPS, BATCH, LR = 5, 10, 0.05
 #: torch's float32 matmul precision -> JAX's name for it.
 PRECISION = {"highest": "highest", "high": "high", "medium": "bfloat16"}
-VARIANTS = ("vmap:rw:nchw", "vmap:rs:nchw", "map:rw:nchw", "map:rs:nchw", "map:rs:nhwc")
+VARIANTS = (
+    "vmap:rw:nchw", "vmap:rs:nchw", "map:rw:nchw", "map:rs:nchw", "map:rs:nhwc", "map:rs:nchw:dot",
+    "map:rs:nhwc:dot",
+)  # fmt: skip
 #: One example's forward and backward operations (3x the forward's).
 FLOPS_PER_EXAMPLE = 3 * 2 * (30 * 30 * 32 * 27 + 28 * 28 * 64 * 288 + 12544 * 128 + 128 * 10)
 
@@ -110,18 +117,24 @@ def init(key: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def parse_variant(variant: str) -> list[str]:
+    """FORM:POOL:LAYOUT[:dot] as its parts; a ValueError that says what is expected."""
+    parts = variant.split(":")
+    choices = (("vmap", "map"), ("rw", "rs"), ("nchw", "nhwc"), ("dot",))
+    if not 3 <= len(parts) <= 4 or any(p not in c for p, c in zip(parts, choices, strict=False)):
+        raise ValueError(
+            f"--variants: expected FORM:POOL:LAYOUT[:dot] as {VARIANTS[0]} or map:rs:nhwc:dot, "
+            f"got {variant!r}"
+        )
+    return parts
+
+
 def make_round(variant: str) -> Callable[..., Any]:
     """The jitted round (server params, images [C, steps, batch, 3, 32, 32], labels) -> params."""
     import jax
     import jax.numpy as jnp
 
-    form, pool_name, layout = variant.split(":")
-    if (
-        form not in ("vmap", "map")
-        or pool_name not in ("rw", "rs")
-        or layout not in ("nchw", "nhwc")
-    ):
-        raise SystemExit(f"--variants: expected FORM:POOL:LAYOUT as {VARIANTS[0]}, got {variant!r}")
+    form, pool_name, layout, *flatten = parse_variant(variant)
     nhwc = layout == "nhwc"
     pool = (
         functools.partial(pool_reduce_window, nhwc=nhwc)
@@ -137,8 +150,13 @@ def make_round(variant: str) -> Callable[..., Any]:
             h = jax.lax.conv_general_dilated(h, p[kernel], (1, 1), "VALID", dimension_numbers=dn)
             h = jax.nn.relu(h + p[b].reshape(bias))
         h = pool(h)
-        h = jnp.transpose(h, (0, 3, 1, 2)) if nhwc else h  # torch's flatten order
-        h = jax.nn.relu(h.reshape(h.shape[0], -1) @ p["l1"].T + p["d1"])
+        if flatten:  # [N, C, H, W] (or NHWC) against l1 as [128, C, H, W]: no flattened copy
+            w1 = p["l1"].reshape(128, 64, 14, 14)
+            h = jnp.einsum("nhwc,ochw->no" if nhwc else "nchw,ochw->no", h, w1)
+        else:
+            h = jnp.transpose(h, (0, 3, 1, 2)) if nhwc else h  # torch's flatten order
+            h = h.reshape(h.shape[0], -1) @ p["l1"].T
+        h = jax.nn.relu(h + p["d1"])
         logits = h @ p["l2"].T + p["d2"]
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
@@ -245,14 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         if not clients.isdigit() or precision not in PRECISION:
             parser.error(f"--rows: expected CLIENTS:PRECISION as 50:medium, got {spec!r}")
     for variant in args.variants:
-        parts = variant.split(":")
-        if (
-            len(parts) != 3
-            or parts[0] not in ("vmap", "map")
-            or parts[1] not in ("rw", "rs")
-            or (parts[2] not in ("nchw", "nhwc"))
-        ):
-            parser.error(f"--variants: expected FORM:POOL:LAYOUT as {VARIANTS[0]}, got {variant!r}")
+        try:
+            parse_variant(variant)
+        except ValueError as error:
+            parser.error(str(error))
     rows = []
     for spec in args.rows:
         clients, _, precision = spec.partition(":")

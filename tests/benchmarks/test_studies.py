@@ -148,7 +148,7 @@ def test_bench_cnn_forms_pools_route_ties_as_reduce_window() -> None:
 @pytest.mark.slow
 def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.CaptureFixture) -> None:
     study = benchmark("studies.bench_cnn_forms")
-    variants = ["vmap:rw:nchw", "map:rs:nchw", "map:rs:nhwc"]
+    variants = ["vmap:rw:nchw", "map:rs:nchw", "map:rs:nhwc", "map:rs:nchw:dot", "map:rs:nhwc:dot"]
     argv = ["--rows", "2:highest", "--variants", *variants, "--reps", "1", "--cpu-reference"]
     assert study.main(argv) == 0
     out = capsys.readouterr().out
@@ -157,7 +157,8 @@ def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.Capt
     assert all(r["median_s"] > 0 and r["tflop_per_s"] > 0 for r in done)
     by = {r["variant"]: r for r in done}
     assert by["map:rs:nchw"]["error_vs_first"] == 0.0  # The same arithmetic on the CPU.
-    assert by["map:rs:nhwc"]["error_vs_first"] < 1e-4  # Convolutions summed in another order.
+    for other in ("map:rs:nhwc", "map:rs:nchw:dot", "map:rs:nhwc:dot"):  # Sums in another order.
+        assert by[other]["error_vs_first"] < 1e-4, by[other]
     assert set(by["map:rs:nchw"]["error_vs_cpu"]) == {
         "b1",
         "b2",
