@@ -21,6 +21,8 @@
 #             contracted whole by the linear layer (:dot), 50 and 500
 #             clients (benchmarks/studies/bench_cnn_forms.py; 50 highest against the host CPU
 #             too, and where the per-client round's time goes on the chip: --profile)
+#   precision per-client convolutions (vmap and one at a time) and one CNN gradient step against
+#             the host CPU, at each precision (benchmarks/studies/bench_conv_precision.py)
 #   resident  the CNN round, 50 and 500 clients, medium: bridge_mr with host client data,
 #             bridge_mr_resident (client data on the chip as JAX arrays), pure JAX
 #   call      the tiny call's time and its host-side profile: bridge_mr beside pure JAX with and
@@ -144,6 +146,9 @@ for part in "${parts[@]}"; do
                 --alternatives bridge_mr bridge_mr_resident pure_jax ;;
     convs) convs ;;
     forms) forms ;;
+    precision) timeout -k 10 200 python3 -m benchmarks.studies.bench_conv_precision 2>&1 \
+                 | grep -v -i warn | tee "$OUT/bench_precision.txt"
+               [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: precision failed"; status=1; } ;;
     call) timeout -k 10 150 python3 -m benchmarks.studies.profile_call --device tpu 2>&1 \
             | tee "$OUT/profile_call.txt"
           [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: call failed"; status=1; } ;;
@@ -155,7 +160,7 @@ for part in "${parts[@]}"; do
     raw:*) rest=${part#raw:}  # the alternative may hold colons (bridge_mr:chunks:16)
            precision=${rest##*:}; rest=${rest%:*}; clients=${rest##*:}; rest=${rest%:*}
            model=${rest##*:}; raw "${rest%:*}" "$model" "$clients" "$precision" ;;
-    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache, resident, convs, forms, call, raw:..., ttprof:..., replay:...)"; status=1 ;;
+    *) echo "tpu_bench: unknown part $part (tiny, cnn50, cnn, gpt2, cache, resident, convs, forms, precision, call, raw:..., ttprof:..., replay:...)"; status=1 ;;
   esac
 done
 exit $status

@@ -129,12 +129,12 @@ def parse_variant(variant: str) -> list[str]:
     return parts
 
 
-def make_round(variant: str) -> Callable[..., Any]:
-    """The jitted round (server params, images [C, steps, batch, 3, 32, 32], labels) -> params."""
+def make_loss(pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
+    """One client's loss (params, images [batch, 3, 32, 32], labels [batch]) -> mean
+    cross-entropy, in the form POOL, LAYOUT (and ":dot") name."""
     import jax
     import jax.numpy as jnp
 
-    form, pool_name, layout, *flatten = parse_variant(variant)
     nhwc = layout == "nhwc"
     pool = (
         functools.partial(pool_reduce_window, nhwc=nhwc)
@@ -150,7 +150,7 @@ def make_round(variant: str) -> Callable[..., Any]:
             h = jax.lax.conv_general_dilated(h, p[kernel], (1, 1), "VALID", dimension_numbers=dn)
             h = jax.nn.relu(h + p[b].reshape(bias))
         h = pool(h)
-        if flatten:  # [N, C, H, W] (or NHWC) against l1 as [128, C, H, W]: no flattened copy
+        if dot:  # [N, C, H, W] (or NHWC) against l1 as [128, C, H, W]: no flattened copy
             w1 = p["l1"].reshape(128, 64, 14, 14)
             h = jnp.einsum("nhwc,ochw->no" if nhwc else "nchw,ochw->no", h, w1)
         else:
@@ -159,6 +159,17 @@ def make_round(variant: str) -> Callable[..., Any]:
         h = jax.nn.relu(h + p["d1"])
         logits = h @ p["l2"].T + p["d2"]
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    return loss
+
+
+def make_round(variant: str) -> Callable[..., Any]:
+    """The jitted round (server params, images [C, steps, batch, 3, 32, 32], labels) -> params."""
+    import jax
+    import jax.numpy as jnp
+
+    form, pool_name, layout, *dot = parse_variant(variant)
+    loss = make_loss(pool_name, layout, bool(dot))
 
     def client(p: Any, xs: Any, ys: Any) -> Any:
         def step(q: Any, batch: Any) -> tuple[Any, None]:

@@ -171,3 +171,20 @@ def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.Capt
     }
     with pytest.raises(SystemExit):
         study.main(["--variants", "vmap:rw"])
+
+
+@pytest.mark.slow
+def test_bench_conv_precision_compares_each_form_with_the_cpu(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    study = benchmark("studies.bench_conv_precision")
+    assert study.main(["--clients", "2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    conv = [r for r in lines if r["part"] == "conv"]
+    assert len(conv) == len(study.SHAPES) * len(study.PRECISIONS) * 2
+    step = [r for r in lines if r["part"] == "step"]
+    assert [r["form"] for r in step] == ["vmap", "map"]
+    # On a machine without a chip both sides are the CPU: rounding apart, nothing differs.
+    assert all(r[k] < 1e-5 for r in conv for k in ("y", "dx", "dw")), conv
+    assert all(r["relu_sign_flips"] == [0, 0] for r in step)
+    assert all(r[k] < 1e-5 for r in step for k in ("loss", "c1", "c2", "l1")), step
