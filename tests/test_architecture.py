@@ -17,7 +17,7 @@
 | `distributed` | nothing | jax (no torch) |
 | `beam` | `jax_core`, `_compat` | jax (apache_beam on building a pipeline; `_worker`: jax only) |
 | `algorithms` | public names of `torch_api`, `jax_core` and `typing` only | jax, torch (optax) |
-| `data` | public names of `algorithms`, `torch_api`, `jax_core`, `typing` only | jax, torch |
+| `data` | public names of `algorithms`, `torch_api`, `jax_core`, `dlpack`, `typing` | jax, torch |
 | `demo` | any public name | jax, torch |
 | `benchmarks/`, `examples/` | public names only, never the demo | |
 
@@ -106,7 +106,9 @@ LAYERS: dict[str, Layer] = {
     "distributed": Layer(frozenset({"_caches"})),
     "beam": Layer(frozenset({"jax_core", "_compat", "_caches"})),
     "algorithms": Layer(frozenset({"jax_core", "torch_api", "typing"}), public_only=True),
-    "data": Layer(frozenset({"jax_core", "torch_api", "algorithms", "typing"}), public_only=True),
+    "data": Layer(
+        frozenset({"jax_core", "torch_api", "algorithms", "dlpack", "typing"}), public_only=True
+    ),
     DEMO: Layer(frozenset(), public_only=True),
 }
 

@@ -33,7 +33,6 @@ NOT_CACHES = {
     "bridge_mr._caches._OBJECTS": "the registry itself",
     "bridge_mr._dtypes.DTYPES": "a constant table",
     "bridge_mr._dtypes._BY_JAX": "a constant table",
-    "bridge_mr.data._on_jax._NARROW": "a constant table",
     "bridge_mr.distributed._initialize._STARTED": "the process initialize() connected",
     "bridge_mr.dlpack._export.ACTIVE": "the open conversion-statistics blocks (a stack)",
     "bridge_mr.dlpack._import.ACTIVE": "the open conversion-statistics blocks (a stack)",

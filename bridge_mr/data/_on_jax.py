@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-#: The 32-bit dtype JAX holds each 64-bit integer dtype as while its 64-bit mode is off.
-_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32)}
+from bridge_mr import dlpack
+
+#: How `bridge_mr.dlpack.to_jax`'s messages name a tensor given alone.
+_ROOT = "tree"
 
 
 def is_array(value: Any) -> bool:
@@ -45,51 +47,26 @@ def check_one_place(owner: str, fields: Mapping[str, Any]) -> None:
 def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, jax.Array]:
     """`fields` (torch tensors or JAX arrays) as JAX arrays on `device`, each copied there once.
 
-    While JAX's 64-bit mode is off, int64 / uint64 fields become int32 / uint32 (their values
-    checked to fit); float64 ones are refused (JAX would narrow them silently).
+    Tensors cross as `bridge_mr.dlpack.to_jax` takes them, with its dtype rules: while JAX's
+    64-bit mode is off, int64 / uint64 fields become int32 / uint32 (their values checked to
+    fit) and float64 / complex128 ones are refused (JAX would narrow them silently).
 
     Raises:
-      TypeError: a float64 / complex128 field with x64 off.
+      TypeError: a field JAX cannot hold (float64 / complex128 with x64 off, a dtype without
+        a JAX dtype), naming the field and the fix.
       ValueError: an int64 / uint64 field holds a value outside int32 / uint32.
     """
     moved = {}
     for name, value in fields.items():
         if isinstance(value, torch.Tensor):
-            value = _numpy(owner, name, value)
-        if not jax.config.read("jax_enable_x64") and isinstance(value, np.ndarray):
-            if value.dtype in (np.float64, np.complex128):
-                raise TypeError(
-                    f"{owner}: field {name!r} is {value.dtype}, which JAX holds only with "
-                    "64-bit mode on (jax.config.update('jax_enable_x64', True)). Fix: convert it "
-                    "first (x.float()), or enable x64."
-                )
-            narrow = _NARROW.get(value.dtype)
-            if narrow is not None:
-                bounds = np.iinfo(narrow)
-                if value.size and (value.min() < bounds.min or value.max() > bounds.max):
-                    raise ValueError(
-                        f"{owner}: field {name!r} is {value.dtype} and holds values outside "
-                        f"{narrow} ([{value.min()}, {value.max()}]), which JAX holds as {narrow} "
-                        f"while 64-bit mode is off. Fix: enable x64, or map the values into "
-                        f"{narrow}."
-                    )
-                value = value.astype(narrow)
+            try:
+                value = dlpack.to_jax(value.detach().cpu())
+            except (TypeError, ValueError) as error:
+                # to_jax names a lone tensor "tree"; here it is the dataset's field.
+                detail = str(error).removeprefix(_ROOT)
+                raise type(error)(f"{owner}: field {name!r}{detail}") from None
         moved[name] = jax.device_put(value, device)
     return moved
-
-
-def _numpy(owner: str, name: str, tensor: torch.Tensor) -> np.ndarray:
-    """`tensor`'s values on the host as numpy (bfloat16 as JAX's numpy bfloat16)."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; JAX's (ml_dtypes') has.
-        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
-    try:
-        return tensor.numpy()
-    except TypeError as err:
-        raise TypeError(
-            f"{owner}: field {name!r} is {tensor.dtype}, which has no numpy or JAX dtype to go "
-            f"to the device as ({err}). Fix: convert it first (x.float())."
-        ) from None
 
 
 def gather(
