@@ -117,10 +117,14 @@ def _run_round(
         client_batches,
         reduce="mean" if weights is None else "weighted_mean",
         weights=weights,
-        mesh=options.get("mesh"),
-        strategy=options.get("strategy", "auto"),
-        chunk_size=options.get("chunk_size"),
+        **_given(options, "mesh", "strategy", "chunk_size"),
     )
+
+
+def _given(options: RoundOptions, *names: str) -> dict[str, Any]:
+    """Those of `names` the caller gave: `map_reduce`'s own defaults hold for the others."""
+    given: dict[str, Any] = dict(options)
+    return {name: given[name] for name in names if name in given}
 
 
 class RoundOptions(TypedDict, total=False):
