@@ -11,7 +11,8 @@
 #   gpt2      GPT-2 2x128, 16 clients highest: torch loop (host), bridge_mr, pure JAX; 16 and
 #             128 clients medium and 128 highest: bridge_mr, pure JAX
 #   cache     the on-disk compile cache: the CNN round's first round in a fresh process twice
-#             (and a third under cProfile: $OUT/cache_third.prof)
+#             (and a third under cProfile: $OUT/cache_third.prof); then twice more with JAX's
+#             runtime started before the round, timed apart
 #   convs     issue 42's rows: the CNN round's per-client convolutions grouped or as matrix
 #             products, 50 / 500 / 2000 clients, medium and highest, in one process
 #             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
@@ -65,6 +66,16 @@ cache() {  # the CNN round's first round in a fresh process, twice, sharing one 
       "$spec" 2>&1 | grep -E '"event": "ready"|Error' | sed "s/^/tpu_bench: cache: $process process: /" \
       | tee -a "$OUT/bench_cache.txt"
   done
+  # The same pair in a fresh folder with JAX's runtime started before the round (timed apart,
+  # "backend_s"): the first round without the runtime's start, which any JAX program pays.
+  local started=$(mktemp -d)
+  for process in first second; do
+    echo quit | BRIDGE_MR_CACHE_DIR=$started timeout -k 10 240 python3 -m benchmarks.workers.users \
+      "${spec%\}}, \"start_backend\": true}" 2>&1 | grep -E '"event": "ready"|Error' \
+      | sed "s/^/tpu_bench: cache, runtime started first: $process process: /" \
+      | tee -a "$OUT/bench_cache.txt"
+  done
+  rm -rf "$started"
   # A third process under cProfile (its time not reported: the profiler slows it), for where
   # a cached first round's time goes: $OUT/cache_third.prof (python -m pstats).
   echo quit | BRIDGE_MR_CACHE_DIR=$folder timeout -k 10 240 python3 -m cProfile \

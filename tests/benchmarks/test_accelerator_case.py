@@ -162,3 +162,26 @@ def test_a_tiny_cpu_run_reports_every_field(case: ModuleType, rows: ModuleType) 
         assert all(e["median_s"] > 0 for e in first["alternatives"].values())
     report = benchmark("report")
     assert "% of peak" in report.case_markdown(result)
+
+
+def test_a_worker_can_start_jax_before_the_first_round_and_time_it_apart(tmp_path: Path) -> None:
+    """`"start_backend": true`: the "ready" event's `backend_s` is JAX's runtime start, out of
+    `first_s` (the compile cache's rows on the chip, scripts/tpu_bench.sh `cache`)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers.bench import ROOT
+
+    config = {"model": "tiny", "clients": 2, "steps": 1, "batch": 4, "device": "cpu"}
+    spec = {"workload": "accelerator", "alternative": "bridge_mr", "start_backend": True,
+            "save": str(tmp_path / "params.npz"), "config": config}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.workers.users", json.dumps(spec)],
+        input="quit\n", capture_output=True, text=True, cwd=ROOT, timeout=300, check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    ready = next(e for e in events if e["event"] == "ready")
+    assert ready["backend_s"] > 0
+    assert ready["first_s"] > 0
