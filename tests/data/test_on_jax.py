@@ -129,3 +129,10 @@ def test_fields_jax_cannot_hold_are_refused_with_the_fix():
         fd.FederatedDataset(
             {"x": torch.zeros(4), "y": on_jax.examples["x"]}, torch.tensor([0, 2, 4])
         )
+
+
+def test_fields_are_copied_so_later_changes_to_the_tensors_stay_out():
+    dataset = fd.FederatedDataset.from_tensors({"x": torch.zeros(4, 3)}, torch.arange(4) % 2)
+    on_jax = dataset.to(jax.devices("cpu")[0])  # to_jax shares the tensor's memory; not this
+    dataset.examples["x"] += 1.0
+    assert float(np.abs(np.asarray(on_jax.examples["x"])).max()) == 0.0
