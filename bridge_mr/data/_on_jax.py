@@ -58,18 +58,18 @@ def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, j
     """
     moved = {}
     for name, value in fields.items():
-        if isinstance(value, torch.Tensor):
-            try:
-                value = dlpack.to_jax(value.detach().cpu())
-            except (TypeError, ValueError) as error:
-                # to_jax names a lone tensor "tree"; here it is the dataset's field.
-                detail = str(error).removeprefix(_ROOT)
-                raise type(error)(f"{owner}: field {name!r}{detail}") from None
-            # to_jax shares the tensor's memory: a copy, so that the tensor's later in-place
-            # changes stay out of the dataset (on a CPU device, device_put alone would alias).
-            moved[name] = jax.device_put(value, device, may_alias=False)
+        if not isinstance(value, torch.Tensor):
+            moved[name] = jax.device_put(value, device)
             continue
-        moved[name] = jax.device_put(value, device)
+        try:
+            shared = dlpack.to_jax(value.detach().cpu())
+        except (TypeError, ValueError) as error:
+            # to_jax names a lone tensor "tree"; here it is the dataset's field.
+            detail = str(error).removeprefix(_ROOT)
+            raise type(error)(f"{owner}: field {name!r}{detail}") from None
+        # to_jax shares the tensor's memory: a copy, so that the tensor's later in-place
+        # changes stay out of the dataset (on a CPU device, device_put alone would alias).
+        moved[name] = jax.device_put(shared, device, may_alias=False)
     return moved
 
 
