@@ -17,8 +17,9 @@
 #             products, 50 / 500 / 2000 clients, medium and highest, in one process
 #             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
 #             $CONVS_S seconds, default 330; $CONVS_ROWS: other rows, e.g. "50:medium 500:medium")
-#   forms     the CNN round hand-written in JAX, side by side in one process: vmap or one client
-#             at a time, max-pool by reduce_window or by a reshape, NCHW or NHWC, flattened or
+#   forms     the CNN round hand-written in JAX, side by side in one process: vmap, one client
+#             at a time, or G clients at a time packed into the channels (packG), max-pool by
+#             reduce_window or by a reshape, NCHW or NHWC, flattened or
 #             contracted whole by the linear layer (:dot), 50 and 500
 #             clients (benchmarks/studies/bench_cnn_forms.py; 50 highest against the host CPU
 #             too, and where the per-client round's time goes on the chip: --profile)
@@ -120,11 +121,11 @@ forms() {  # the hand-written forms of the CNN round, each row's variants in one
   for row in "50:medium:--profile" "50:highest:--cpu-reference" "500:medium:" "500:highest:"; do
     IFS=: read -r clients precision flag <<<"$row"
     case $clients:$precision in  # at "highest" compiling takes 15-28 s a variant
-      50:medium) variants="vmap:rw:nchw vmap:rs:nchw map:rw:nchw map:rs:nchw map:rs:nhwc
-                   map:rs:nchw:dot map:rs:nhwc:dot" ;;
-      50:highest) variants="vmap:rw:nchw map:rw:nchw map:rs:nchw:dot" ;;
-      500:medium) variants="vmap:rw:nchw map:rw:nchw map:rs:nchw map:rs:nchw:dot map:rs:nhwc:dot" ;;
-      *) variants="map:rs:nchw map:rs:nchw:dot" ;;
+      50:medium) variants="vmap:rw:nchw map:rs:nchw map:rs:nchw:dot pack2:rs:nchw pack5:rs:nchw
+                   pack10:rs:nchw pack5:rs:nhwc:dot" ;;
+      50:highest) variants="map:rs:nchw pack2:rs:nchw pack5:rs:nchw" ;;
+      500:medium) variants="map:rs:nchw pack2:rs:nchw pack4:rs:nchw pack5:rs:nchw pack10:rs:nchw" ;;
+      *) variants="map:rs:nchw pack2:rs:nchw pack5:rs:nchw" ;;
     esac
     # shellcheck disable=SC2086
     timeout -k 10 200 python3 -m benchmarks.studies.bench_cnn_forms --rows "$clients:$precision" \

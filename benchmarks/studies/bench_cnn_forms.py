@@ -9,8 +9,12 @@ per client, the mean delta added to the server's parameters), written directly i
 than through `from_torch`, so that each choice a lowering could make is one flag. A variant is
 FORM:POOL:LAYOUT[:dot]:
 
-* FORM "vmap" (`jax.vmap` over clients: per-client kernels become grouped convolutions) or
-  "map" (`lax.scan` over clients, one client at a time, as bridge_mr's per_client);
+* FORM "vmap" (`jax.vmap` over clients: per-client kernels become grouped convolutions),
+  "map" (`lax.scan` over clients, one client at a time, as bridge_mr's per_client) or "packG"
+  (`lax.scan` over groups of G clients, G dividing the clients: the group's images side by side
+  in the channels, its kernels as one block-diagonal kernel, so each convolution is one dense
+  convolution of G times the channels; G times the arithmetic, but the MXU's 128 lanes fuller
+  than with one client's 32 or 64 channels, and G times fewer steps one after another);
 * POOL "rw" (`lax.reduce_window`, as torchax lowers `max_pool2d`; JAX's gradient is a
   select-and-scatter) or "rs" (a reshape and a max, whose gradient goes to the window's first
   maximum, torch's choice, elementwise);
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -48,7 +53,7 @@ STEPS, BATCH, LR = 5, 10, 0.05
 PRECISION = {"highest": "highest", "high": "high", "medium": "bfloat16"}
 VARIANTS = (
     "vmap:rw:nchw", "vmap:rs:nchw", "map:rw:nchw", "map:rs:nchw", "map:rs:nhwc", "map:rs:nchw:dot",
-    "map:rs:nhwc:dot",
+    "map:rs:nhwc:dot", "pack2:rs:nchw", "pack5:rs:nchw", "pack5:rs:nhwc:dot",
 )  # fmt: skip
 #: One example's forward and backward operations (3x the forward's).
 FLOPS_PER_EXAMPLE = 3 * 2 * (30 * 30 * 32 * 27 + 28 * 28 * 64 * 288 + 12544 * 128 + 128 * 10)
@@ -107,7 +112,7 @@ def init(key: Any) -> dict[str, Any]:
     keys = jax.random.split(key, 4)
 
     def uniform(k: Any, shape: tuple[int, ...], fan_in: int) -> Any:
-        return jax.random.uniform(k, shape, jnp.float32, -1, 1) / np.sqrt(fan_in)
+        return jax.random.uniform(k, shape, jnp.float32, -1, 1) / float(np.sqrt(fan_in))
 
     return {
         "c1": uniform(keys[0], (32, 3, 3, 3), 27), "b1": jnp.zeros(32),
@@ -121,12 +126,29 @@ def parse_variant(variant: str) -> list[str]:
     """FORM:POOL:LAYOUT[:dot] as its parts; a ValueError that says what is expected."""
     parts = variant.split(":")
     choices = (("vmap", "map"), ("rw", "rs"), ("nchw", "nhwc"), ("dot",))
-    if not 3 <= len(parts) <= 4 or any(p not in c for p, c in zip(parts, choices, strict=False)):
+    packed = re.fullmatch(r"pack([2-9]|[1-9][0-9]+)", parts[0])
+    if (
+        not 3 <= len(parts) <= 4
+        or (parts[0] not in choices[0] and not packed)
+        or any(p not in c for p, c in zip(parts[1:], choices[1:], strict=False))
+    ):
         raise ValueError(
-            f"--variants: expected FORM:POOL:LAYOUT[:dot] as {VARIANTS[0]} or map:rs:nhwc:dot, "
-            f"got {variant!r}"
+            f"--variants: expected FORM:POOL:LAYOUT[:dot] (FORM vmap, map or packG with G >= 2) "
+            f"as {VARIANTS[0]}, map:rs:nhwc:dot or pack5:rs:nchw, got {variant!r}"
         )
     return parts
+
+
+def group_size(form: str) -> int:
+    """G of a form "packG"; 1 for "vmap" and "map"."""
+    return int(form[4:]) if form.startswith("pack") else 1
+
+
+def pool_named(pool_name: str, nhwc: bool) -> Callable[[Any], Any]:
+    """The 2x2 max-pool POOL names: "rw" (`reduce_window`) or "rs" (a reshape)."""
+    if pool_name == "rw":
+        return functools.partial(pool_reduce_window, nhwc=nhwc)
+    return pool_reshape(nhwc)
 
 
 def make_loss(pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
@@ -136,11 +158,7 @@ def make_loss(pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
     import jax.numpy as jnp
 
     nhwc = layout == "nhwc"
-    pool = (
-        functools.partial(pool_reduce_window, nhwc=nhwc)
-        if pool_name == "rw"
-        else pool_reshape(nhwc)
-    )
+    pool = pool_named(pool_name, nhwc)
     dn = ("NHWC", "OIHW", "NHWC") if nhwc else ("NCHW", "OIHW", "NCHW")
     bias = (1, 1, 1, -1) if nhwc else (1, -1, 1, 1)
 
@@ -163,33 +181,90 @@ def make_loss(pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
     return loss
 
 
+def make_packed_loss(groups: int, pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
+    """G = `groups` clients' summed losses (params with a leading [G], images [G, batch, 3, 32,
+    32], labels [G, batch]) -> the sum of each client's mean cross-entropy, whose gradient is
+    each client's own. The G clients' images lie side by side in the channels and each
+    convolution is one dense convolution with a block-diagonal kernel: zeros off the diagonal
+    blocks add exact zeros, so each client's values are its own."""
+    import jax
+    import jax.numpy as jnp
+
+    nhwc = layout == "nhwc"
+    pool = pool_named(pool_name, nhwc)
+    dn = ("NHWC", "OIHW", "NHWC") if nhwc else ("NCHW", "OIHW", "NCHW")
+    bias = (1, 1, 1, -1) if nhwc else (1, -1, 1, 1)
+
+    def block_diagonal(kernels: Any) -> Any:  # [G, O, I, kh, kw] -> [G*O, G*I, kh, kw]
+        g, o, i, kh, kw = kernels.shape
+        eye = jnp.eye(g, dtype=kernels.dtype)
+        return jnp.einsum("goihw,gk->gokihw", kernels, eye).reshape(g * o, g * i, kh, kw)
+
+    def loss(p: Any, x: Any, y: Any) -> Any:
+        g, n = x.shape[:2]  # channels g-major: client g's channel c is g * C + c
+        h = jnp.transpose(x, (1, 3, 4, 0, 2) if nhwc else (1, 0, 2, 3, 4))
+        h = h.reshape(n, 32, 32, g * 3) if nhwc else h.reshape(n, g * 3, 32, 32)
+        for kernel, b in (("c1", "b1"), ("c2", "b2")):
+            w = block_diagonal(p[kernel])
+            h = jax.lax.conv_general_dilated(h, w, (1, 1), "VALID", dimension_numbers=dn)
+            h = jax.nn.relu(h + p[b].reshape(bias))
+        h = pool(h)  # [N, G*64, 14, 14] or [N, 14, 14, G*64]
+        h = h.reshape(n, 14, 14, g, 64) if nhwc else h.reshape(n, g, 64, 14, 14)
+        if dot:
+            w1 = p["l1"].reshape(g, 128, 64, 14, 14)
+            h = jnp.einsum("nhwgc,gochw->gno" if nhwc else "ngchw,gochw->gno", h, w1)
+        else:  # torch's flatten order, per client
+            h = jnp.transpose(h, (3, 0, 4, 1, 2)) if nhwc else jnp.swapaxes(h, 0, 1)
+            h = jnp.einsum("gnk,gok->gno", h.reshape(g, n, -1), p["l1"])
+        h = jax.nn.relu(h + p["d1"][:, None])
+        logits = jnp.einsum("gnk,gok->gno", h, p["l2"]) + p["d2"][:, None]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)
+        return -jnp.sum(jnp.mean(picked[..., 0], axis=1))
+
+    return loss
+
+
 def make_round(variant: str) -> Callable[..., Any]:
     """The jitted round (server params, images [C, steps, batch, 3, 32, 32], labels) -> params."""
     import jax
     import jax.numpy as jnp
 
     form, pool_name, layout, *dot = parse_variant(variant)
-    loss = make_loss(pool_name, layout, bool(dot))
+    groups = group_size(form)
+    if groups > 1:
+        loss = make_packed_loss(groups, pool_name, layout, bool(dot))
+    else:
+        loss = make_loss(pool_name, layout, bool(dot))
 
     def client(p: Any, xs: Any, ys: Any) -> Any:
+        """One client's (or, packed, one group's: [G, steps, ...]) summed deltas."""
+        if groups > 1:  # the group's local steps side by side: [steps, G, ...]
+            xs, ys = jnp.swapaxes(xs, 0, 1), jnp.swapaxes(ys, 0, 1)
+            p = jax.tree.map(lambda a: jnp.broadcast_to(a, (groups, *a.shape)), p)
+
         def step(q: Any, batch: Any) -> tuple[Any, None]:
             g = jax.grad(loss)(q, *batch)
             return jax.tree.map(lambda a, d: a - LR * d, q, g), None
 
-        return jax.tree.map(jnp.subtract, jax.lax.scan(step, p, (xs, ys))[0], p)
+        deltas = jax.tree.map(jnp.subtract, jax.lax.scan(step, p, (xs, ys))[0], p)
+        return jax.tree.map(lambda a: a.sum(0), deltas) if groups > 1 else deltas
 
     @jax.jit
     def round_(p: Any, xs: Any, ys: Any) -> Any:
+        clients = xs.shape[0]
         if form == "vmap":
             deltas = jax.vmap(client, in_axes=(None, 0, 0))(p, xs, ys)
             delta = jax.tree.map(lambda a: a.mean(0), deltas)
         else:
+            batches = (xs, ys)
+            if groups > 1:  # [clients / G, G, steps, ...]
+                batches = jax.tree.map(lambda a: a.reshape(-1, groups, *a.shape[1:]), batches)
 
             def add(total: Any, batch: Any) -> tuple[Any, None]:
                 return jax.tree.map(jnp.add, total, client(p, *batch)), None
 
-            total = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, p), (xs, ys))[0]
-            delta = jax.tree.map(lambda a: a / xs.shape[0], total)
+            total = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, p), batches)[0]
+            delta = jax.tree.map(lambda a: a / clients, total)
         return jax.tree.map(jnp.add, p, delta)
 
     return round_
@@ -275,9 +350,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--rows: expected CLIENTS:PRECISION as 50:medium, got {spec!r}")
     for variant in args.variants:
         try:
-            parse_variant(variant)
+            groups = group_size(parse_variant(variant)[0])
         except ValueError as error:
             parser.error(str(error))
+        for spec in args.rows:
+            if int(spec.partition(":")[0]) % groups:
+                parser.error(
+                    f"--variants {variant}: its groups of {groups} clients do not divide the "
+                    f"row {spec}'s clients; pick a G that divides them"
+                )
     rows = []
     for spec in args.rows:
         clients, _, precision = spec.partition(":")

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import pathlib
 
+import numpy as np
 import pytest
+import torch
 from helpers.bench import benchmark
+from helpers.precision import assert_leaves_close, precisions
 
 
 @pytest.mark.slow
@@ -143,10 +147,45 @@ def test_bench_cnn_forms_pools_route_ties_as_reduce_window() -> None:
         assert jnp.array_equal(got, want), (nhwc, got - want)
 
 
+@pytest.mark.parametrize(("dtype", "rtol"), precisions(float64=1e-12, float32=1e-5))
+def test_bench_cnn_forms_packed_clients_get_each_their_own_gradient(
+    dtype: torch.dtype, rtol: float
+) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    study = benchmark("studies.bench_cnn_forms")
+    to = jnp.float64 if dtype == torch.float64 else jnp.float32
+    server = jax.tree.map(lambda a: a.astype(to), study.init(jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    groups = 3
+    images = jnp.asarray(rng.standard_normal((groups, 2, 3, 32, 32)), to)
+    labels = jnp.asarray(rng.integers(0, 10, (groups, 2)), jnp.int32)
+    # Each client's parameters its own, as after a local step.
+    params = jax.tree.map(
+        lambda a: a * jnp.arange(1, groups + 1, dtype=to).reshape(-1, *[1] * a.ndim), server
+    )
+    for layout, dot in itertools.product(("nchw", "nhwc"), (False, True)):
+        one, packed = (
+            study.make_loss("rs", layout, dot),
+            study.make_packed_loss(groups, "rs", layout, dot),
+        )
+        got = jax.grad(packed)(params, images, labels)
+        for g in range(groups):
+            mine = jax.tree.map(lambda a, g=g: a[g], params)
+            want = jax.grad(one)(mine, images[g], labels[g])
+            assert_leaves_close(
+                jax.tree.map(lambda a, g=g: a[g], got), want, rtol, f"{layout} dot={dot} {g}"
+            )
+
+
 @pytest.mark.slow
 def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.CaptureFixture) -> None:
     study = benchmark("studies.bench_cnn_forms")
-    variants = ["vmap:rw:nchw", "map:rs:nchw", "map:rs:nhwc", "map:rs:nchw:dot", "map:rs:nhwc:dot"]
+    variants = [
+        "vmap:rw:nchw", "map:rs:nchw", "map:rs:nhwc", "map:rs:nchw:dot", "map:rs:nhwc:dot",
+        "pack2:rs:nchw",
+    ]  # fmt: skip
     argv = ["--rows", "2:highest", "--variants", *variants, "--reps", "1", "--cpu-reference"]
     assert study.main(argv) == 0
     out = capsys.readouterr().out
@@ -155,7 +194,7 @@ def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.Capt
     assert all(r["median_s"] > 0 and r["tflop_per_s"] > 0 for r in done)
     by = {r["variant"]: r for r in done}
     assert by["map:rs:nchw"]["error_vs_first"] == 0.0  # The same arithmetic on the CPU.
-    for other in ("map:rs:nhwc", "map:rs:nchw:dot", "map:rs:nhwc:dot"):  # Sums in another order.
+    for other in variants[2:]:  # Sums in another order.
         assert by[other]["error_vs_first"] < 1e-4, by[other]
     assert set(by["map:rs:nchw"]["error_vs_cpu"]) == {
         "b1",
@@ -167,8 +206,13 @@ def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.Capt
         "l1",
         "l2",
     }
+    for wrong in (["--variants", "vmap:rw"], ["--variants", "pack1:rs:nchw"]):
+        with pytest.raises(SystemExit):
+            study.main(wrong)
+    capsys.readouterr()
     with pytest.raises(SystemExit):
-        study.main(["--variants", "vmap:rw"])
+        study.main(["--rows", "3:highest", "--variants", "pack2:rs:nchw"])
+    assert "do not divide the row 3:highest's clients" in capsys.readouterr().err
 
 
 @pytest.mark.slow
