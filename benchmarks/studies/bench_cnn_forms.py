@@ -151,6 +151,20 @@ def pool_named(pool_name: str, nhwc: bool) -> Callable[[Any], Any]:
     return pool_reshape(nhwc)
 
 
+def pre_activations(p: Any, x: Any, nhwc: bool = False) -> list[Any]:
+    """The two convolutions' ReLU inputs of one client's images (NCHW, or NHWC)."""
+    import jax
+
+    dn = ("NHWC", "OIHW", "NHWC") if nhwc else ("NCHW", "OIHW", "NCHW")
+    bias = (1, 1, 1, -1) if nhwc else (1, -1, 1, 1)
+    found, h = [], x
+    for kernel, b in (("c1", "b1"), ("c2", "b2")):
+        h = jax.lax.conv_general_dilated(h, p[kernel], (1, 1), "VALID", dimension_numbers=dn)
+        found.append(h + p[b].reshape(bias))
+        h = jax.nn.relu(found[-1])
+    return found
+
+
 def make_loss(pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
     """One client's loss (params, images [batch, 3, 32, 32], labels [batch]) -> mean
     cross-entropy, in the form POOL, LAYOUT (and ":dot") name."""
@@ -159,15 +173,10 @@ def make_loss(pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
 
     nhwc = layout == "nhwc"
     pool = pool_named(pool_name, nhwc)
-    dn = ("NHWC", "OIHW", "NHWC") if nhwc else ("NCHW", "OIHW", "NCHW")
-    bias = (1, 1, 1, -1) if nhwc else (1, -1, 1, 1)
 
     def loss(p: Any, x: Any, y: Any) -> Any:
         h = jnp.transpose(x, (0, 2, 3, 1)) if nhwc else x
-        for kernel, b in (("c1", "b1"), ("c2", "b2")):
-            h = jax.lax.conv_general_dilated(h, p[kernel], (1, 1), "VALID", dimension_numbers=dn)
-            h = jax.nn.relu(h + p[b].reshape(bias))
-        h = pool(h)
+        h = pool(jax.nn.relu(pre_activations(p, h, nhwc)[-1]))
         if dot:  # [N, C, H, W] (or NHWC) against l1 as [128, C, H, W]: no flattened copy
             w1 = p["l1"].reshape(128, 64, 14, 14)
             h = jnp.einsum("nhwc,ochw->no" if nhwc else "nchw,ochw->no", h, w1)
@@ -192,8 +201,6 @@ def make_packed_loss(groups: int, pool_name: str, layout: str, dot: bool) -> Cal
 
     nhwc = layout == "nhwc"
     pool = pool_named(pool_name, nhwc)
-    dn = ("NHWC", "OIHW", "NHWC") if nhwc else ("NCHW", "OIHW", "NCHW")
-    bias = (1, 1, 1, -1) if nhwc else (1, -1, 1, 1)
 
     def block_diagonal(kernels: Any) -> Any:  # [G, O, I, kh, kw] -> [G*O, G*I, kh, kw]
         g, o, i, kh, kw = kernels.shape
@@ -204,11 +211,9 @@ def make_packed_loss(groups: int, pool_name: str, layout: str, dot: bool) -> Cal
         g, n = x.shape[:2]  # channels g-major: client g's channel c is g * C + c
         h = jnp.transpose(x, (1, 3, 4, 0, 2) if nhwc else (1, 0, 2, 3, 4))
         h = h.reshape(n, 32, 32, g * 3) if nhwc else h.reshape(n, g * 3, 32, 32)
-        for kernel, b in (("c1", "b1"), ("c2", "b2")):
-            w = block_diagonal(p[kernel])
-            h = jax.lax.conv_general_dilated(h, w, (1, 1), "VALID", dimension_numbers=dn)
-            h = jax.nn.relu(h + p[b].reshape(bias))
-        h = pool(h)  # [N, G*64, 14, 14] or [N, 14, 14, G*64]
+        convs = {"c1": block_diagonal(p["c1"]), "c2": block_diagonal(p["c2"])}
+        packed = {**convs, "b1": p["b1"], "b2": p["b2"]}
+        h = pool(jax.nn.relu(pre_activations(packed, h, nhwc)[-1]))  # [N, G*64, 14, 14] or NHWC
         h = h.reshape(n, 14, 14, g, 64) if nhwc else h.reshape(n, g, 64, 14, 14)
         if dot:
             w1 = p["l1"].reshape(g, 128, 64, 14, 14)
@@ -270,12 +275,14 @@ def make_round(variant: str) -> Callable[..., Any]:
     return round_
 
 
+def relative_error(got: Any, want: Any) -> float:
+    """max |got - want| / max |want|, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
 def _errors(got: Any, want: Any) -> dict[str, float]:
-    return {
-        k: float(np.max(np.abs(np.asarray(got[k]) - np.asarray(want[k]))))
-        / max(float(np.max(np.abs(np.asarray(want[k])))), 1e-30)
-        for k in sorted(want)
-    }
+    return {k: relative_error(got[k], want[k]) for k in sorted(want)}
 
 
 def run_row(

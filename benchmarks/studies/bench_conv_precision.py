@@ -27,15 +27,11 @@ from typing import Any
 import numpy as np
 
 from benchmarks.studies import bench_cnn_forms
+from benchmarks.studies.bench_cnn_forms import pre_activations, relative_error
 
 PRECISIONS = ("highest", "high", "bfloat16")
 #: (clients, batch, in channels, out channels, height): the CNN's two convolutions, a small one.
 SHAPES = ((None, 10, 32, 64, 30), (None, 10, 3, 32, 32), (8, 4, 16, 32, 14))
-
-
-def _error(got: Any, want: Any) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
 def conv_part(clients: int) -> None:
@@ -67,25 +63,10 @@ def conv_part(clients: int) -> None:
             for name, form in forms.items():
                 with jax.default_matmul_precision(precision):
                     got = jax.jit(form)(x, w, g)
-                errors = {
-                    k: _error(a, e) for k, a, e in zip(("y", "dx", "dw"), got, want, strict=True)
-                }
+                parts = zip(("y", "dx", "dw"), got, want, strict=True)
+                errors = {k: relative_error(a, e) for k, a, e in parts}
                 line = {"part": "conv", "shape": [c, b, cin, cout, h], "precision": precision}
                 print(json.dumps({**line, "form": name, **errors}), flush=True)
-
-
-def _pre_activations(p: Any, x: Any) -> list[Any]:
-    """The two convolutions' ReLU inputs of one client's images (NCHW, as make_loss)."""
-    import jax
-
-    dn = ("NCHW", "OIHW", "NCHW")
-    found, h = [], x
-    for kernel, b in (("c1", "b1"), ("c2", "b2")):
-        h = jax.lax.conv_general_dilated(h, p[kernel], (1, 1), "VALID", dimension_numbers=dn)
-        h = h + p[b].reshape(1, -1, 1, 1)
-        found.append(h)
-        h = jax.nn.relu(h)
-    return found
 
 
 def step_part(clients: int) -> None:
@@ -106,7 +87,7 @@ def step_part(clients: int) -> None:
         "map": lambda p, x, y: jax.lax.map(lambda a: value_and_grad(*a), (p, x, y)),
     }
     cpu = jax.devices("cpu")[0]
-    pre = jax.vmap(_pre_activations)
+    pre = jax.vmap(pre_activations)
     with jax.default_matmul_precision("highest"):
         want = jax.jit(forms["map"])(*jax.device_put((params, images, labels), cpu))
         pre_cpu = jax.jit(pre)(*jax.device_put((params, images), cpu))
@@ -117,8 +98,8 @@ def step_part(clients: int) -> None:
         ]
         for name, form in forms.items():
             got = jax.jit(form)(params, images, labels)
-            errors = {"loss": _error(got[0], want[0])}
-            errors.update({k: _error(got[1][k], want[1][k]) for k in sorted(server)})
+            errors = {"loss": relative_error(got[0], want[0])}
+            errors.update({k: relative_error(got[1][k], want[1][k]) for k in sorted(server)})
             line = {"part": "step", "clients": clients, "form": name, "relu_sign_flips": flips}
             print(json.dumps({**line, **errors}), flush=True)
 
