@@ -23,6 +23,10 @@
 #             contracted whole by the linear layer (:dot), 50 and 500
 #             clients (benchmarks/studies/bench_cnn_forms.py; 50 highest against the host CPU
 #             too, and where the per-client round's time goes on the chip: --profile)
+#   dense     bridge_mr's chunked CNN round (jax_core.map_reduce of the from_torch client) of 2, 5
+#             and 10 clients at a time, its convolutions grouped or through
+#             jax_core.block_diagonal_convolutions, beside pure JAX, 50 and 500 clients, medium
+#             (benchmarks/studies/bench_conv_lowering.py --dense)
 #   precision per-client convolutions (vmap and one at a time) and one CNN gradient step against
 #             the host CPU, at each precision (benchmarks/studies/bench_conv_precision.py)
 #   resident  the CNN round, 50 and 500 clients, medium: bridge_mr with host client data,
@@ -116,6 +120,14 @@ convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows s
   [ "$code" -eq 0 ] || { echo "tpu_bench: convs exited $code"; status=1; }
 }
 
+dense() {  # bridge_mr's chunked CNN round, grouped or block-diagonal, in one process (270 s)
+  echo "tpu_bench: dense: python -m benchmarks.studies.bench_conv_lowering --dense 2 5 10"
+  timeout -k 10 300 python3 -m benchmarks.studies.bench_conv_lowering --device tpu --until 240 \
+    --rows 50:medium 500:medium --chunks --dense 2 5 10 --out "$OUT/bench_dense.md" 2>&1 \
+    | grep -v -i warn | tee "$OUT/bench_dense.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: dense failed"; status=1; }
+}
+
 forms() {  # the hand-written forms of the CNN round, each row's variants in one process
   local row variants
   for row in "50:medium:--profile" "50:highest:--cpu-reference" "500:medium:" "500:highest:"; do
@@ -161,6 +173,7 @@ for part in "${parts[@]}"; do
                 --alternatives bridge_mr bridge_mr_resident pure_jax ;;
     convs) convs ;;
     forms) forms ;;
+    dense) dense ;;
     precision) timeout -k 10 200 python3 -m benchmarks.studies.bench_conv_precision 2>&1 \
                  | grep -v -i warn | tee "$OUT/bench_precision.txt"
                [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: precision failed"; status=1; } ;;

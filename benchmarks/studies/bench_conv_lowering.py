@@ -1,8 +1,8 @@
-"""The CNN round's per-client convolutions, grouped or as matrix products (issue 42), in one
-process, on the chip (or the CPU).
+"""The CNN round's per-client convolutions, grouped, as matrix products or dense (issue 42), in
+one process, on the chip (or the CPU).
 
     python -m benchmarks.studies.bench_conv_lowering [--device tpu] [--rows 50:highest ...]
-        [--reps N] [--until SECONDS] [--out FILE] [--profile]
+        [--chunks K ...] [--dense G ...] [--reps N] [--until SECONDS] [--out FILE] [--profile]
 
 The round is the "accelerator" case's CNN row (pfl-research's CIFAR10 simple_cnn, 5 local SGD
 steps of 10 images per client, `from_torch` + `local_training`; `workloads.accelerator`). A row
@@ -14,6 +14,10 @@ the same `jax.default_matmul_precision`). Variants, each from the same server pa
 * "matmul": the same program through `jax_core.matmul_convolutions` (batched matrix products);
 * "matmul:chunks:K": `jax_core.map_reduce(strategy="chunks", chunk_size=K)` of the same client,
   rewritten so (the memory of K clients at a time);
+* "chunks:G" and "dense:chunks:G" (`--dense G ...`): the chunked round of G clients at a time,
+  its convolutions grouped (as vmap leaves them) or through
+  `jax_core.block_diagonal_convolutions` (dense convolutions of block-diagonal kernels, the G
+  clients side by side in the features);
 * "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), as
   the frontend compiles it for the device.
 
@@ -59,7 +63,9 @@ MAX_VMAP_CLIENTS = 500
 TOP_OPS = 12
 
 
-def _variants(cfg: acc.AcceleratorConfig, chunks: list[int]) -> dict[str, Callable[[], Any]]:
+def _variants(
+    cfg: acc.AcceleratorConfig, chunks: list[int], dense: list[int]
+) -> dict[str, Callable[[], Any]]:
     """Each variant as a zero-argument round from the same server parameters."""
     import jax
     import jax.numpy as jnp
@@ -87,6 +93,12 @@ def _variants(cfg: acc.AcceleratorConfig, chunks: list[int]) -> dict[str, Callab
     for size in chunks:
         if size < cfg.clients:
             programs[f"matmul:chunks:{size}"] = jax_core.matmul_convolutions(chunked(size))
+    for size in dense:
+        if size < cfg.clients:
+            programs[f"chunks:{size}"] = chunked(size)
+        programs[f"dense:chunks:{size}"] = jax_core.block_diagonal_convolutions(
+            chunked(size), max_groups=size
+        )
 
     def call(fn: Callable[..., Any]) -> Callable[[], Any]:
         jitted = jax.jit(fn)
@@ -165,13 +177,14 @@ def _row(
     device: str,
     reps: int,
     chunks: list[int],
+    dense: list[int],
     until: float,
     profile: bool,
 ) -> list[dict[str, Any]]:
     cfg = acc.AcceleratorConfig("cnn", clients, device=device, precision=precision)
     flops = acc.flops(cfg)
     peak = acc.device_peak(device).get("peak_flop_per_s")
-    calls = _variants(cfg, chunks)
+    calls = _variants(cfg, chunks, dense)
     results: dict[str, dict[str, Any]] = {}
     reference: list[np.ndarray] | None = None
     for name, fn in calls.items():
@@ -236,11 +249,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="tpu", choices=("tpu", "cpu", "cuda"))
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS))
     parser.add_argument("--chunks", nargs="*", type=int, default=[100])
+    parser.add_argument("--dense", nargs="*", type=int, default=[], help="G: 2 or more")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--until", type=float, default=float("inf"))
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="device ops of one round each")
     args = parser.parse_args(argv)
+    for spec in args.rows:
+        clients, _, precision = spec.partition(":")
+        if not clients.isdigit() or precision not in PASSES:
+            parser.error(f"--rows: expected CLIENTS:PRECISION as 50:medium, got {spec!r}")
+        for size in args.dense:
+            if not 2 <= size <= int(clients) or int(clients) % size:
+                parser.error(
+                    f"--dense: expected chunks of 2 or more clients that divide row {spec}'s "
+                    f"{clients} clients, got {size}"
+                )
     until = time.monotonic() + args.until
     rows: list[dict[str, Any]] = []
     for spec in args.rows:
@@ -249,7 +273,14 @@ def main(argv: list[str] | None = None) -> None:
             continue
         clients, precision = spec.split(":")
         rows += _row(
-            int(clients), precision, args.device, args.reps, args.chunks, until, args.profile
+            int(clients),
+            precision,
+            args.device,
+            args.reps,
+            args.chunks,
+            args.dense,
+            until,
+            args.profile,
         )
     lines = [
         "| row | variant | first call s | median | TFLOP/s | of the peak | of the precision's "

@@ -1,5 +1,6 @@
-"""jax_core.matmul_convolutions: grouped convolutions (vmap over per-client kernels) as batched
-matrix products, with the values and gradients of the grouped convolutions.
+"""jax_core.matmul_convolutions and block_diagonal_convolutions: grouped convolutions (vmap over
+per-client kernels) as batched matrix products, or as dense convolutions of block-diagonal
+kernels, with the values and gradients of the grouped convolutions.
 
 Checked on CPU against XLA's own grouped convolution: every layout, stride, padding, dilation
 and group kind, in float64 exactly (to the order of the sums) and in float32; a vmapped FedAvg
@@ -17,7 +18,7 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from bridge_mr import jax_core as mr
-from bridge_mr.jax_core import _grouped
+from bridge_mr.jax_core import _block_diagonal, _grouped
 
 
 def _in_float32_and_float64(float32: float, float64: float) -> pytest.MarkDecorator:
@@ -64,8 +65,16 @@ def _random_convolution(rng: np.random.Generator, dtype: type) -> tuple[dict, ja
     return params, lhs, rhs
 
 
+#: Each rewrite of grouped convolutions, as a function of one.
+REWRITES = {
+    "matmul": (mr.matmul_convolutions, _grouped.grouped_convolution),
+    "block_diagonal": (mr.block_diagonal_convolutions, _block_diagonal.block_diagonal_convolution),
+}
+
+
+@pytest.mark.parametrize("rewrite", REWRITES)
 @_in_float32_and_float64(1e-5, 1e-12)
-def test_a_grouped_convolution_as_a_matmul_equals_xlas(dtype, close):
+def test_a_grouped_convolution_rewritten_equals_xlas(rewrite, dtype, close):
     rng = np.random.default_rng(0)
     checked = 0
     while checked < 40:
@@ -78,7 +87,7 @@ def test_a_grouped_convolution_as_a_matmul_equals_xlas(dtype, close):
         if 0 in expected_shape:
             continue
         expected = lax.conv_general_dilated_p.bind(lhs, rhs, **params, out_sharding=None)
-        got = _grouped.grouped_convolution(lhs, rhs, **params)
+        got = REWRITES[rewrite][1](lhs, rhs, **params)
         assert got.shape == expected.shape, params
         assert got.dtype == expected.dtype, params
         np.testing.assert_allclose(got, expected, **close, err_msg=str(params))
@@ -151,10 +160,11 @@ def _final_loss(round_fn):
     return loss
 
 
+@pytest.mark.parametrize("rewrite", REWRITES)
 @_in_float32_and_float64(2e-5, 1e-11)
-def test_a_vmapped_cnn_round_and_its_gradient_equal_the_grouped_program(dtype, close):
+def test_a_vmapped_cnn_round_and_its_gradient_equal_the_grouped_program(rewrite, dtype, close):
     params, data = _cnn_case(dtype)
-    fast = mr.matmul_convolutions(_round)
+    fast = REWRITES[rewrite][0](_round)
     assert_trees_all_close(jax.jit(fast)(params, data), jax.jit(_round)(params, data), **close)
     meta, meta_fast = _final_loss(_round), _final_loss(fast)
     assert_trees_all_close(
@@ -162,22 +172,62 @@ def test_a_vmapped_cnn_round_and_its_gradient_equal_the_grouped_program(dtype, c
     )
 
 
-def test_no_grouped_convolution_is_left_in_the_round_or_its_gradient():
+@pytest.mark.parametrize("rewrite", REWRITES)
+def test_no_grouped_convolution_is_left_in_the_round_or_its_gradient(rewrite):
     params, data = _cnn_case()
     # vmap groups the forward convolutions, the kernel gradients (feature groups) and, in the
     # gradient through the round, batch groups.
     meta = _final_loss(_round)
     grouped = _grouped_convolutions(jax.grad(meta), params, data)
     assert {p["batch_group_count"] > 1 for p in grouped} == {False, True}
-    assert (
-        _grouped_convolutions(jax.grad(_final_loss(mr.matmul_convolutions(_round))), params, data)
-        == []
+    fast = REWRITES[rewrite][0](_round)
+    assert _grouped_convolutions(jax.grad(_final_loss(fast)), params, data) == []
+    # Patches and products, or as many convolutions as before, none grouped.
+    convolutions = str(jax.make_jaxpr(_round)(params, data)).count("conv_general_dilated")
+    jaxpr = str(jax.make_jaxpr(fast)(params, data))
+    assert jaxpr.count("conv_general_dilated") == (0 if rewrite == "matmul" else convolutions)
+
+
+def test_block_diagonal_leaves_convolutions_of_more_groups_than_max_groups():
+    params, data = _cnn_case(clients=4)
+    grouped = len(_grouped_convolutions(_round, params, data))
+    assert grouped > 0
+    assert len(_grouped_convolutions(mr.block_diagonal_convolutions(_round, 3), params, data)) == (
+        grouped
     )
-    jaxpr = str(jax.make_jaxpr(mr.matmul_convolutions(_round))(params, data))
-    assert "dot_general" in jaxpr
+    assert _grouped_convolutions(mr.block_diagonal_convolutions(_round, 4), params, data) == []
+    for wrong in (1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=r"expected max_groups to be an int of at least 2"):
+            mr.block_diagonal_convolutions(_round, wrong)  # type: ignore[arg-type]
 
 
-def test_convolutions_the_rewrite_would_not_speed_up_stay_as_they_are():
+def test_block_diagonal_over_chunks_of_clients_equals_the_chunked_round():
+    params, data = _cnn_case(clients=6)
+
+    def chunked(p, d):
+        delta = mr.map_reduce(_local_sgd, p, d, strategy="chunks", chunk_size=2)
+        return jax.tree.map(jnp.add, p, delta)
+
+    dense = mr.block_diagonal_convolutions(chunked, 2)
+    assert _grouped_convolutions(chunked, params, data)
+    assert _grouped_convolutions(dense, params, data) == []
+    assert_trees_all_close(jax.jit(dense)(params, data), jax.jit(chunked)(params, data), rtol=2e-5)
+
+
+def test_block_diagonal_keeps_a_kernels_nan_in_its_group_but_not_an_inputs():
+    """As the module says: the kernel's zero blocks are padded in (a NaN kernel stays in its
+    group); another group's non-finite input meets them (0 x NaN) and spreads."""
+    conv = jax.vmap(lambda w, x: lax.conv(x, w, (1, 1), "VALID"))
+    ws, xs = jnp.ones((3, 4, 2, 3, 3)), jnp.ones((3, 1, 2, 5, 5))
+    dense = mr.block_diagonal_convolutions(conv)
+    nan_kernel = jnp.isnan(dense(ws.at[1, 0, 0, 0, 0].set(jnp.nan), xs))
+    assert [bool(nan_kernel[g].any()) for g in range(3)] == [False, True, False]
+    nan_input = jnp.isnan(dense(ws, xs.at[1, 0, 0, 0, 0].set(jnp.nan)))
+    assert [bool(nan_input[g].any()) for g in range(3)] == [True, True, True]
+    assert not jnp.isnan(conv(ws, xs.at[1, 0, 0, 0, 0].set(jnp.nan)))[0].any()
+
+
+def test_convolutions_the_matmul_rewrite_would_not_speed_up_stay_as_they_are():
     x = jnp.ones((5, 2, 8, 12, 12))
     shared = jnp.ones((16, 8, 3, 3))
     depthwise = jnp.ones((5, 8, 1, 3, 3))
