@@ -50,9 +50,10 @@ def block_diagonal_convolutions(fn: F, max_groups: int = MAX_GROUPS) -> F:
     Convolutions of at most `max_groups` groups are rewritten. Opt-in and not measured faster
     anywhere yet: apply it to a JAX function that vmaps convolutions over a few clients' own
     weights (`map_reduce(strategy="chunks", chunk_size=G)` of local training, say) and time it
-    against the function as it is on your device. Each call traces `fn` (under whatever transformation the call is under), rewrites
-    the jaxpr (sub-jaxprs too: scans, loops, conditionals, checkpoints) and evaluates it: the
-    same outputs and pytrees as `fn`, differentiable and batchable as usual.
+    against the function as it is on your device. Each call traces `fn` (under whatever
+    transformation the call is under), rewrites the jaxpr (sub-jaxprs too: scans, loops,
+    conditionals, checkpoints) and evaluates it: the same outputs and pytrees as `fn`,
+    differentiable and batchable as usual.
 
     Args:
       fn: a JAX function of positional arguments (pytrees of arrays).
