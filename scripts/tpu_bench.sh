@@ -120,12 +120,17 @@ convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows s
   [ "$code" -eq 0 ] || { echo "tpu_bench: convs exited $code"; status=1; }
 }
 
-dense() {  # bridge_mr's chunked CNN round, grouped or block-diagonal, in one process (270 s)
-  echo "tpu_bench: dense: python -m benchmarks.studies.bench_conv_lowering --dense 2 5 10"
-  timeout -k 10 300 python3 -m benchmarks.studies.bench_conv_lowering --device tpu --until 240 \
-    --rows 50:medium 500:medium --chunks --dense 2 5 10 --out "$OUT/bench_dense.md" 2>&1 \
-    | grep -v -i warn | tee "$OUT/bench_dense.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: dense failed"; status=1; }
+dense() {  # bridge_mr's chunked CNN round, grouped or block-diagonal, a process a row (400 s)
+  local row limit
+  for row in 50:medium:150 500:medium:250; do
+    limit=${row##*:}
+    row=${row%:*}
+    echo "tpu_bench: dense $row: python -m benchmarks.studies.bench_conv_lowering --dense 2 5 10"
+    timeout -k 10 "$limit" python3 -m benchmarks.studies.bench_conv_lowering --device tpu \
+      --until $((limit - 60)) --rows "$row" --chunks --dense 2 5 10 \
+      --out "$OUT/bench_dense_${row%:*}.md" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_dense.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: dense $row failed"; status=1; }
+  done
 }
 
 forms() {  # the hand-written forms of the CNN round, each row's variants in one process

@@ -14,13 +14,15 @@ grouped convolutions measured 1.8-3.5x slower than one client at a time); that i
 chip. Nothing applies it by default.
 
 Values: the zero blocks add exact zeros, so each group's outputs are its own up to the order of
-the float sums while every value is finite. A non-finite input value (inf or NaN) of one group
-meets the zeros of the others' kernels (0 x inf is NaN) and makes their outputs NaN too; with
-the grouped convolution it stays in its group.
+the float sums while every value is finite. A non-finite value (inf or NaN) of one group, in its
+input or, under a gradient, in the cotangent flowing back through its kernel, meets the zero
+blocks (0 x inf is NaN) and makes the other groups' values NaN too, where XLA:CPU's grouped
+convolution keeps it in its group: one diverging client then spoils its chunk's other clients,
+which matters to whatever looks at each client's result (dropping or clipping bad clients).
 
-A convolution stays as it is where it is ungrouped, has more than `max_groups` groups (a
-depthwise convolution's channels; the rewrite's arithmetic and kernel grow with the groups'
-square), or takes explicitly sharded values.
+A convolution stays as it is where it is ungrouped, has more than `max_groups` groups (counted
+with the client's own: a depthwise convolution's channels times the clients; the rewrite's
+arithmetic and kernel grow with the groups' square), or takes explicitly sharded values.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def block_diagonal_convolutions(fn: F, max_groups: int = MAX_GROUPS) -> F:
     against the function as it is on your device. Each call traces `fn` (under whatever
     transformation the call is under), rewrites the jaxpr (sub-jaxprs too: scans, loops,
     conditionals, checkpoints) and evaluates it: the same outputs and pytrees as `fn`,
-    differentiable and batchable as usual.
+    differentiable and batchable as usual. It sees the groups of the vmaps inside `fn`: wrap
+    the vmapped function (`block_diagonal_convolutions(jax.vmap(client))`), not the client.
 
     Args:
       fn: a JAX function of positional arguments (pytrees of arrays).
@@ -133,7 +136,7 @@ def block_diagonal_convolution(
         g = feature_group_count
     o, per_group, *window = w.shape
     blocks = w.reshape(g, o // g, per_group, *window)
-    # Group i's block at rows i x O', columns i x C' (a pad: zeros exactly, whatever w holds).
+    # Group i's block at rows i x O', columns i x C' (padded in: no product with the zeros).
     config = [(0, 0, 0)] * (w.ndim + 1)
     kernel = jnp.concatenate(
         [

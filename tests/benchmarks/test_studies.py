@@ -183,6 +183,26 @@ def test_bench_cnn_forms_packed_clients_get_each_their_own_gradient(
             )
 
 
+@pytest.mark.x64
+def test_bench_cnn_forms_packed_round_is_the_per_client_round_in_float64() -> None:
+    """Two groups of two clients, each client its own images and its own steps in order, the
+    mean over all four: the round of one client at a time (in float32 a ReLU input or a
+    max-pool tie that rounds the other way moves them apart by up to ~1e-3: compare in float64)."""
+    import jax
+    import jax.numpy as jnp
+
+    study = benchmark("studies.bench_cnn_forms")
+    server = jax.tree.map(lambda a: a.astype(jnp.float64), study.init(jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((4, 2, 3, 3, 32, 32))  # clients, steps, batch, C, H, W
+    labels = rng.integers(0, 10, (4, 2, 3)).astype(np.int32)
+    want = jax.jit(study.make_round("map:rs:nchw"))(server, images, labels)
+    for variant in ("pack2:rs:nchw", "pack4:rs:nhwc:dot"):
+        got = jax.jit(study.make_round(variant))(server, images, labels)
+        deltas = [jax.tree.map(jnp.subtract, r, server) for r in (got, want)]
+        assert_leaves_close(*deltas, 1e-11, variant)
+
+
 @pytest.mark.slow
 def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.CaptureFixture) -> None:
     study = benchmark("studies.bench_cnn_forms")

@@ -214,17 +214,25 @@ def test_block_diagonal_over_chunks_of_clients_equals_the_chunked_round():
     assert_trees_all_close(jax.jit(dense)(params, data), jax.jit(chunked)(params, data), rtol=2e-5)
 
 
-def test_block_diagonal_keeps_a_kernels_nan_in_its_group_but_not_an_inputs():
-    """As the module says: the kernel's zero blocks are padded in (a NaN kernel stays in its
-    group); another group's non-finite input meets them (0 x NaN) and spreads."""
+def test_block_diagonal_spreads_one_groups_nan_to_the_others_as_documented():
+    """As the module says: one group's NaN input, or the cotangent of its NaN kernel's output,
+    meets the zero blocks (0 x NaN) and reaches the other groups; grouped, it stays in its own."""
     conv = jax.vmap(lambda w, x: lax.conv(x, w, (1, 1), "VALID"))
     ws, xs = jnp.ones((3, 4, 2, 3, 3)), jnp.ones((3, 1, 2, 5, 5))
+    nan_ws, nan_xs = ws.at[1, 0, 0, 0, 0].set(jnp.nan), xs.at[1, 0, 0, 0, 0].set(jnp.nan)
+
+    def nan_groups(fn, *args):
+        return [bool(jnp.isnan(fn(*args)[g]).any()) for g in range(3)]
+
+    def input_grad(fn):
+        return lambda w, x: jax.grad(lambda v: (fn(w, v) ** 2).sum())(x)
+
     dense = mr.block_diagonal_convolutions(conv)
-    nan_kernel = jnp.isnan(dense(ws.at[1, 0, 0, 0, 0].set(jnp.nan), xs))
-    assert [bool(nan_kernel[g].any()) for g in range(3)] == [False, True, False]
-    nan_input = jnp.isnan(dense(ws, xs.at[1, 0, 0, 0, 0].set(jnp.nan)))
-    assert [bool(nan_input[g].any()) for g in range(3)] == [True, True, True]
-    assert not jnp.isnan(conv(ws, xs.at[1, 0, 0, 0, 0].set(jnp.nan)))[0].any()
+    assert nan_groups(conv, ws, nan_xs) == [False, True, False]
+    assert nan_groups(dense, ws, nan_xs) == [True, True, True]
+    assert nan_groups(dense, nan_ws, xs) == [False, True, False]  # The kernel's zeros are padded.
+    assert nan_groups(input_grad(conv), nan_ws, xs) == [False, True, False]
+    assert nan_groups(input_grad(dense), nan_ws, xs) == [True, True, True]
 
 
 def test_convolutions_the_matmul_rewrite_would_not_speed_up_stay_as_they_are():
