@@ -63,8 +63,14 @@ ROUNDS = (3, 5)
 #: (Intel Xeon, 10 clients) and 0.024 (AMD EPYC without AVX-512, 2 clients) while XLA:CPU
 #: summed BatchNorm's statistics in one sequential accumulator; with the sums in levels
 #: (`jax_core.cpu_program`) by 5.9e-3 (10 clients) and 1.1e-4 (2 clients); torch.func.vmap's
-#: by 1e-5.
-AGREEMENT_ATOL = {"cnn": 1e-4, "gpt2": 1e-4, "resnet18": 1e-2}
+#: by 1e-5. On an Intel Xeon with AVX-512 and AMX (2026-12-06) it differed by 0.0235 at 2
+#: clients (2 steps of 4 images), and so does the round itself in exact arithmetic: in float64
+#: the torch loop's round moved by 0.0235 when its images were scaled by 1 + 1e-7 N(0, 1) (one
+#: seed of three; 6e-5 and 1.1e-4 for the others), and float32 torch with those images lands
+#: there for all three (a discrete step: a max-pool's or ReLU's choice that rounding flips),
+#: while bridge_mr in float64 matches the float64 torch loop to 6e-13. So the ResNet's bound
+#: lies above that step.
+AGREEMENT_ATOL = {"cnn": 1e-4, "gpt2": 1e-4, "resnet18": 5e-2}
 
 TITLE = (
     "The documented round (from_torch + algorithms.local_training + outer_step) against a torch "

@@ -145,11 +145,18 @@ def test_quick_demo_trains_both_algorithms_like_the_baselines(
             assert run.losses[-1] < 0.5 * run.losses[0]
     # Same torch model, init, data and algorithm (bridge_mr runs the loss through from_torch):
     # FedSGD's trajectories agree to float32 rounding.
-    # FedAvg's ten local steps a round amplify rounding differences, slowly.
+    # FedAvg's ten local steps a round amplify rounding differences (ReLU kinks), slowly: its
+    # first five rounds agree as closely as torch's two baselines agree with each other (on an
+    # Intel Xeon with AVX-512 and AMX, torch.func and the torch loop differed by 1.9e-4 of the
+    # loss there, bridge_mr and torch.func by 1.8e-4; elsewhere all three within 1e-4).
+    fedavg_baselines = [np.asarray(result.phase("FedAvg", name).losses[:5]) for name in BASELINES]
+    spread = float(np.max(np.abs(fedavg_baselines[0] - fedavg_baselines[1]) / fedavg_baselines[1]))
     for name in BASELINES:
         fedsgd, fedavg = ((result.phase(a, "bridge_mr"), result.phase(a, name)) for a in ALGORITHMS)
         np.testing.assert_allclose(fedsgd[0].losses, fedsgd[1].losses, rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(fedavg[0].losses[:5], fedavg[1].losses[:5], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            fedavg[0].losses[:5], fedavg[1].losses[:5], rtol=max(1e-4, 2 * spread), atol=1e-6
+        )
         np.testing.assert_allclose(fedavg[0].losses, fedavg[1].losses, atol=1e-2)
         assert abs(fedsgd[0].accuracy - fedsgd[1].accuracy) <= 1 / 360 + 1e-9
     assert "largest per-round FedSGD loss difference from bridge_mr: torch.func " in out
