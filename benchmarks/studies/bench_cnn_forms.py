@@ -354,26 +354,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-reference", action="store_true")
     parser.add_argument("--profile", action="store_true", help="device ops of one round each")
     args = parser.parse_args(argv)
-    for spec in args.rows:
-        clients, _, precision = spec.partition(":")
-        if not clients.isdigit() or precision not in PRECISION:
-            parser.error(f"--rows: expected CLIENTS:PRECISION as 50:medium, got {spec!r}")
+    specs = bench_conv_lowering.parse_rows(parser, args.rows, PRECISION)
     for variant in args.variants:
         try:
             groups = group_size(parse_variant(variant)[0])
         except ValueError as error:
             parser.error(str(error))
-        for spec in args.rows:
-            if int(spec.partition(":")[0]) % groups:
+        for clients, precision in specs:
+            if clients % groups:
                 parser.error(
                     f"--variants {variant}: its groups of {groups} clients do not divide the "
-                    f"row {spec}'s clients; pick a G that divides them"
+                    f"row {clients}:{precision}'s clients; pick a G that divides them"
                 )
     rows = []
-    for spec in args.rows:
-        clients, _, precision = spec.partition(":")
+    for clients, precision in specs:
         rows += run_row(
-            int(clients), precision, args.variants, args.reps, args.cpu_reference, args.profile
+            clients, precision, args.variants, args.reps, args.cpu_reference, args.profile
         )
     print("| row | variant | first call s | median | TFLOP/s | vs first variant |")
     print("|---|---|---|---|---|---|")

@@ -43,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -240,6 +240,20 @@ def _row(
     return rows
 
 
+def parse_rows(
+    parser: argparse.ArgumentParser, specs: list[str], precisions: Iterable[str]
+) -> list[tuple[int, str]]:
+    """Each CLIENTS:PRECISION of `specs` as (clients, precision); `parser.error` for one that is
+    not (PRECISION one of `precisions`)."""
+    rows = []
+    for spec in specs:
+        clients, _, precision = spec.partition(":")
+        if not clients.isdigit() or precision not in precisions:
+            parser.error(f"--rows: expected CLIENTS:PRECISION as 50:medium, got {spec!r}")
+        rows.append((int(clients), precision))
+    return rows
+
+
 def _cell(row: dict[str, Any], name: str, form: str, scale: float = 1.0) -> str:
     return format(row[name] * scale, form) if name in row else "—"
 
@@ -255,25 +269,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="device ops of one round each")
     args = parser.parse_args(argv)
-    for spec in args.rows:
-        clients, _, precision = spec.partition(":")
-        if not clients.isdigit() or precision not in PASSES:
-            parser.error(f"--rows: expected CLIENTS:PRECISION as 50:medium, got {spec!r}")
+    specs = parse_rows(parser, args.rows, PASSES)
+    for clients, precision in specs:
         for size in args.dense:
-            if not 2 <= size <= int(clients) or int(clients) % size:
+            if not 2 <= size <= clients or clients % size:
                 parser.error(
-                    f"--dense: expected chunks of 2 or more clients that divide row {spec}'s "
-                    f"{clients} clients, got {size}"
+                    f"--dense: expected chunks of 2 or more clients that divide row "
+                    f"{clients}:{precision}'s {clients} clients, got {size}"
                 )
     until = time.monotonic() + args.until
     rows: list[dict[str, Any]] = []
-    for spec in args.rows:
+    for clients, precision in specs:
         if time.monotonic() > until:
-            print(json.dumps({"row": spec, "skipped": "past --until"}), flush=True)
+            skipped = {"row": f"{clients}:{precision}", "skipped": "past --until"}
+            print(json.dumps(skipped), flush=True)
             continue
-        clients, precision = spec.split(":")
         rows += _row(
-            int(clients),
+            clients,
             precision,
             args.device,
             args.reps,

@@ -35,10 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core
-from jax.extend.core.primitives import conv_general_dilated_p
 
-from ._layouts import sharded
-from ._rewrite import Rule, equations, rewritten
+from ._grouped import convolution_rule
+from ._rewrite import Rule, rewritten
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,19 +93,11 @@ def grouped_as_block_diagonal(max_groups: int) -> Rule:
     """The `_rewrite` rule: a convolution of 2 to `max_groups` groups as a dense one, None for
     any other equation."""
 
-    def rule(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
-        if eqn.primitive is not conv_general_dilated_p:
-            return None
-        params = eqn.params
-        groups = params["feature_group_count"] * params["batch_group_count"]
-        if not 2 <= groups <= max_groups:
-            return None
-        avals: list[Any] = [atom.aval for atom in eqn.invars]
-        if params.get("out_sharding") is not None or any(map(sharded, avals)):
-            return None  # The shardings in the types would need the same reshapes.
-        return equations(lambda lhs, rhs: block_diagonal_convolution(lhs, rhs, **params), eqn)
+    def in_range(eqn: core.JaxprEqn) -> bool:
+        groups = eqn.params["feature_group_count"] * eqn.params["batch_group_count"]
+        return 2 <= groups <= max_groups
 
-    return rule
+    return convolution_rule(block_diagonal_convolution, in_range)
 
 
 def block_diagonal_convolution(
