@@ -134,9 +134,10 @@ dense() {  # bridge_mr's chunked CNN round, grouped or block-diagonal, a process
 }
 
 forms() {  # the hand-written forms of the CNN round, each row's variants in one process
-  local row variants
+  local row variants  # FORMS_ROWS picks rows ("50:medium 500:highest"); all four take 800 s
   for row in "50:medium:--profile" "50:highest:--cpu-reference" "500:medium:" "500:highest:"; do
     IFS=: read -r clients precision flag <<<"$row"
+    [[ " ${FORMS_ROWS:-$clients:$precision} " == *" $clients:$precision "* ]] || continue
     case $clients:$precision in  # at "highest" compiling takes 15-28 s a variant
       50:medium) variants="vmap:rw:nchw map:rs:nchw map:rs:nchw:dot pack2:rs:nchw pack5:rs:nchw
                    pack10:rs:nchw pack5:rs:nhwc:dot" ;;
