@@ -24,8 +24,7 @@ import torchax before bridge_mr's first `from_torch` call to have it.
 Private entries: `Tensor._elem` (the JAX value a torchax tensor holds) is read and written
 through `value_of` and `rebind`, the way torchax's own in-place ops write it;
 `torch._C._get_privateuse1_backend_name` and `torch._decomp.global_decomposition_table`
-(torch 2.9 - 2.13); `Environment._should_use_torchax_tensor` (`own_every_factory`);
-`Environment._get_op_or_decomp` (`jax_lowering`).
+(torch 2.9 - 2.13); `Environment._should_use_torchax_tensor` (`own_every_factory`).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ __all__ = [
     "Torchax",
     "device",
     "import_torchax",
-    "jax_lowering",
     "own_every_factory",
     "rebind",
     "value_of",
@@ -230,12 +228,3 @@ def value_of(tensor: Any) -> Any:
 def rebind(tensor: Any, value: Any) -> None:
     """Makes the torchax `Tensor` hold `value` (an in-place update, as torchax's own do)."""
     tensor._elem = value
-
-
-def jax_lowering(env: Any, op: Any) -> Any:
-    """torchax's lowering of the torch op `op` in `env`: a function of JAX values (the one an
-    override in bridge_mr falls back to)."""
-    lowering = env._get_op_or_decomp(op)
-    if not lowering.is_jax_function:
-        raise TypeError(f"torchax lowers {op} with torch tensors, not JAX values")
-    return lowering.func

@@ -19,15 +19,6 @@
 * `Tensor.fill_diagonal_` (a contrastive loss's `similarity.fill_diagonal_(-inf)`):
   functionalization refuses it (torch's "custom (non-ATen) operator whose output has alias
   annotations"). Here it is `masked_fill_` with the diagonal's mask, `wrap=` as torch's.
-* `F.max_pool2d` / `nn.MaxPool2d` on a TPU, with windows that tile the input (stride =
-  kernel, no padding, no dilation, floating point; the usual 2x2 pool of a CNN): torchax's
-  `lax.reduce_window`, whose gradient is a `select_and_scatter` (29 us of a 2-client local
-  step of the CNN round on a TPU v5e, 89 us after its convolutions were rewritten as dense
-  ones), is there a reshape into windows and a max, whose gradient goes to each window's
-  first maximum in row-major order, as torch's (and `reduce_window`'s), or to its last NaN,
-  as torch's. Chosen when the program is lowered (`lax.platform_dependent`): on the CPU the
-  reshape measured 15% slower on the CNN round, so other platforms, and other pools, keep
-  torchax's lowering.
 
 Gradients come from JAX differentiating these lowerings (`from_torch` never runs torch's
 backward ops).
@@ -70,101 +61,12 @@ def install(env: Any) -> None:
     env.override_op_definition(_aten._cdist_forward.default, functools.partial(_cdist, env))
     env.override_op_definition(_aten._pdist_forward.default, functools.partial(_pdist, env))
     env.override_op_definition(_aten.dist.default, functools.partial(_dist, env))
-    pool = _aten.max_pool2d_with_indices.default
-    env.override_op_definition(
-        pool,
-        functools.partial(_max_pool2d_with_indices, env, torchax_compat.jax_lowering(env, pool)),
-    )
 
 
 def _dispatch(env: Any, dispatch: Any, func: Any, types: Any, args: Any, kwargs: Any = None) -> Any:
     if func is torch.Tensor.fill_diagonal_:
         return _fill_diagonal(env, *args, **(kwargs or {}))
     return dispatch(func, types, args, kwargs)
-
-
-def _pair(value: Any) -> tuple[int, ...]:
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
-def _max_pool2d_with_indices(
-    env: Any,
-    torchax_lowering: Any,
-    input: Any,
-    kernel_size: Any,
-    stride: Any = (),
-    padding: Any = 0,
-    dilation: Any = 1,
-    ceil_mode: bool = False,
-) -> tuple[Any, Any]:
-    """`aten.max_pool2d_with_indices` (see the module docstring): (values, indices into each
-    plane's H x W) as torch's, by a reshape when the windows tile the input, else by torchax's
-    `torchax_lowering` (JAX values in and out)."""
-    tx = torchax_compat.import_torchax()
-    x = _value(input)
-    kernel = _pair(kernel_size)
-    tiles = (
-        len(kernel) == 2
-        and x.ndim in (3, 4)
-        and jnp.issubdtype(x.dtype, jnp.floating)
-        and _pair(stride or kernel) == kernel
-        and not any(_pair(padding))
-        and set(_pair(dilation)) == {1}
-        and not (ceil_mode and any(n % k for n, k in zip(x.shape[-2:], kernel, strict=True)))
-    )
-
-    def torchax_pool(x: Any) -> tuple[Any, Any]:
-        return torchax_lowering(x, kernel_size, stride, padding, dilation, ceil_mode)
-
-    if tiles:  # the reshape on a TPU only: elsewhere torchax's is faster (see the docstring)
-        values, indices = jax.lax.platform_dependent(
-            x, tpu=functools.partial(_tiled_max_pool, window=kernel), default=torchax_pool
-        )
-    else:
-        values, indices = torchax_pool(x)
-    return tx.Tensor(values, env), tx.Tensor(indices, env)
-
-
-def _tiled_max_pool(x: Any, window: tuple[int, ...]) -> tuple[Any, Any]:
-    """The max of each [kh, kw] window of `x` [..., H, W] and its index in H x W (a partial last
-    row or column of windows dropped, as torch's floor mode)."""
-    kh, kw = window
-    height, width = x.shape[-2] // kh, x.shape[-1] // kw
-    windows = x[..., : height * kh, : width * kw].reshape(*x.shape[:-2], height, kh, width, kw)
-    rows, columns = jnp.arange(height)[:, None] * kh, jnp.arange(width) * kw
-
-    def index(i: int, j: int) -> Any:
-        return (rows + i) * x.shape[-1] + columns + j
-
-    found = jax.lax.stop_gradient(windows)
-    return _window_max(windows), _choose(found, jnp.zeros((*found.shape[:-3], width), int), index)
-
-
-def _choose(windows: Any, out: Any, part: Any) -> Any:
-    """`part(i, j)` of the position torch's kernel picks in each window of `windows` [...,
-    H', kh, W', kw]: going row-major, the first maximum, or else the last NaN (NaN == NaN is
-    false, so a window holding a NaN chooses no maximum)."""
-    top = windows.max(axis=(-3, -1))
-    taken = jnp.zeros(top.shape, bool)
-    for i in range(windows.shape[-3]):
-        for j in range(windows.shape[-1]):
-            value = windows[..., i, :, j]
-            chosen = (value == top) & ~taken
-            taken = taken | chosen
-            out = jnp.where(jnp.isnan(value) | chosen, part(i, j), out)
-    return out
-
-
-@jax.custom_jvp
-def _window_max(windows: Any) -> Any:
-    return windows.max(axis=(-3, -1))
-
-
-@_window_max.defjvp
-def _window_max_jvp(primals: Any, tangents: Any) -> tuple[Any, Any]:
-    (windows,), (tangent,) = primals, tangents
-    start = jnp.zeros(tangent.shape[:-3] + tangent.shape[-2:-1], tangent.dtype)
-    return _window_max(windows), _choose(windows, start, lambda i, j: tangent[..., i, :, j])
 
 
 def _fill_diagonal(env: Any, self: torch.Tensor, fill_value: Any, wrap: bool = False) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from helpers.from_torch import close
 from torch import nn
 
 import bridge_mr
-from bridge_mr.torch_fn import UnsupportedTorchOperation, _lowerings
+from bridge_mr.torch_fn import UnsupportedTorchOperation
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Explicitly requested dtype int64 requested in:UserWarning"
@@ -172,94 +171,3 @@ def test_gather_with_a_bad_dim_or_index_shape_is_an_error() -> None:
         bridge_mr.from_torch(lambda x, i: torch.gather(x, 3, i))(x, jnp.zeros((2, 1), jnp.int32))
     with pytest.raises(UnsupportedTorchOperation, match="index shape"):
         bridge_mr.from_torch(lambda x, i: torch.gather(x, 1, i))(x, jnp.zeros((4, 1), jnp.int32))
-
-
-def _ties(*shape: int) -> torch.Tensor:
-    """Small integers: most 2x2 windows hold their maximum twice or more."""
-    return torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(2)).float()
-
-
-def _with_nans(x: torch.Tensor) -> torch.Tensor:
-    x = x.clone()
-    x[0, 0, 0, 0] = x[0, 0, 1, 0] = float("nan")  # two NaNs in one window: torch takes the last
-    x[0, 1, 2, 3] = float("nan")
-    return x
-
-
-POOLS = {
-    "2x2": (lambda x: F.max_pool2d(x, 2), _randn(2, 3, 6, 8)),
-    "2x2_ties": (lambda x: F.max_pool2d(x, 2), _ties(2, 3, 6, 8)),
-    "2x2_floor_mode_drops_a_row_and_a_column": (lambda x: F.max_pool2d(x, 2), _ties(2, 2, 7, 5)),
-    "3x3_unbatched": (lambda x: F.max_pool2d(x, 3, stride=3), _ties(2, 6, 9)),
-    "2x3_ceil_mode_tiling": (lambda x: F.max_pool2d(x, (2, 3), ceil_mode=True), _ties(1, 2, 4, 6)),
-    "module": (nn.MaxPool2d(2), _ties(1, 2, 4, 4)),
-    "with_indices": (lambda x: F.max_pool2d(x, 2, return_indices=True)[0], _ties(1, 2, 4, 4)),
-    # Not tilings: torchax's lowering everywhere.
-    "overlapping": (lambda x: F.max_pool2d(x, 3, stride=2), _randn(1, 2, 7, 7)),
-    "padded": (lambda x: F.max_pool2d(x, 2, padding=1), _randn(1, 2, 5, 5)),
-    "ceil_mode_partial": (lambda x: F.max_pool2d(x, 2, ceil_mode=True), _randn(1, 2, 5, 5)),
-}
-
-
-NOT_TILINGS = ("overlapping", "padded", "ceil_mode_partial")
-
-
-@pytest.mark.parametrize("name", list(POOLS))
-def test_max_pool2d_matches_torch_with_ties(name: str) -> None:
-    fn, x = POOLS[name]
-    fn.__name__ = name  # type: ignore[attr-defined]
-    check(fn, [x])
-
-
-@pytest.mark.parametrize(
-    ("name", "tiled"), [("2x2", True), ("module", True), ("overlapping", False)]
-)
-def test_max_pool2d_tiling_its_input_is_a_reshape_and_a_max_on_a_tpu_only(
-    name: str, tiled: bool
-) -> None:
-    # reduce_window's gradient is a select_and_scatter, slow on a TPU (see _lowerings); on the
-    # CPU it is the faster one. Lowered for each platform here, whichever this machine is.
-    fn, x = POOLS[name]
-    grad = jax.jit(jax.grad(bridge_mr.from_torch(lambda x: fn(x).sum())))
-    traced = grad.trace(jnp.asarray(x.numpy()))
-    for platform, reshaped in (("tpu", tiled), ("cpu", False), ("cuda", False)):
-        program = traced.lower(lowering_platforms=(platform,)).as_text()
-        assert ("select_and_scatter" in program) is not reshaped, platform
-
-
-@pytest.mark.parametrize("name", [name for name in POOLS if name not in NOT_TILINGS])
-def test_max_pool2d_on_a_tpu_matches_torch_with_ties(name: str) -> None:
-    # The TPU's lowering, run here: values, gradients and indices against torch's.
-    x = POOLS[name][1]
-    kernel = (3, 3) if name.startswith("3x3") else (2, 3) if name.startswith("2x3") else (2, 2)
-    _tiled_against_torch(x, kernel)
-
-
-def test_max_pool2d_on_a_tpu_of_nans_is_nan_and_its_gradient_goes_to_the_last_nan() -> None:
-    _tiled_against_torch(_with_nans(_ties(2, 3, 6, 8)), (2, 2))
-
-
-def _tiled_against_torch(x: torch.Tensor, kernel: tuple[int, int]) -> None:
-    probe = _randn(*F.max_pool2d(x, kernel).shape, seed=1)
-    leaf = x.clone().requires_grad_()
-    values, indices = F.max_pool2d(leaf, kernel, return_indices=True)
-    (values * probe).sum().backward()
-
-    def pool(x: Any) -> Any:
-        return _lowerings._tiled_max_pool(x, kernel)
-
-    got, got_indices = jax.jit(pool)(jnp.asarray(x.numpy()))
-    grad = jax.jit(jax.grad(lambda x: (pool(x)[0] * jnp.asarray(probe.numpy())).sum()))(
-        jnp.asarray(x.numpy())
-    )
-    torch.testing.assert_close(torch.from_numpy(np.array(got)), values.detach(), equal_nan=True)
-    torch.testing.assert_close(torch.from_numpy(np.array(got_indices)), indices, check_dtype=False)
-    torch.testing.assert_close(torch.from_numpy(np.array(grad)), leaf.grad)
-
-
-def test_max_pool2d_indices_match_torch() -> None:
-    def pool(x: torch.Tensor) -> torch.Tensor:
-        values, indices = F.max_pool2d(x, 2, return_indices=True)
-        return values * (indices % 7)  # the indices as torch's, into each plane's H x W
-
-    check(pool, [_ties(2, 3, 7, 9)])
