@@ -23,10 +23,6 @@
 #             contracted whole by the linear layer (:dot), 50 and 500
 #             clients (benchmarks/studies/bench_cnn_forms.py; 50 highest against the host CPU
 #             too, and where the per-client round's time goes on the chip: --profile)
-#   dense     bridge_mr's chunked CNN round (jax_core.map_reduce of the from_torch client) of 2, 5
-#             and 10 clients at a time, its convolutions grouped or through
-#             jax_core.block_diagonal_convolutions, beside pure JAX, 50 and 500 clients, medium
-#             (benchmarks/studies/bench_conv_lowering.py --dense)
 #   precision per-client convolutions (vmap and one at a time) and one CNN gradient step against
 #             the host CPU, at each precision (benchmarks/studies/bench_conv_precision.py)
 #   resident  the CNN round, 50 and 500 clients, medium: bridge_mr with host client data,
@@ -120,19 +116,6 @@ convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows s
   [ "$code" -eq 0 ] || { echo "tpu_bench: convs exited $code"; status=1; }
 }
 
-dense() {  # bridge_mr's chunked CNN round, grouped or block-diagonal, a process a row (400 s)
-  local row limit
-  for row in 50:medium:150 500:medium:250; do
-    limit=${row##*:}
-    row=${row%:*}
-    echo "tpu_bench: dense $row: python -m benchmarks.studies.bench_conv_lowering --dense 2 5 10"
-    timeout -k 10 "$limit" python3 -m benchmarks.studies.bench_conv_lowering --device tpu \
-      --until $((limit - 60)) --rows "$row" --chunks --dense 2 5 10 \
-      --out "$OUT/bench_dense_${row%:*}.md" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_dense.txt"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: dense $row failed"; status=1; }
-  done
-}
-
 forms() {  # the hand-written forms of the CNN round, each row's variants in one process
   local row variants  # FORMS_ROWS picks rows ("50:medium 500:highest"); all four take 800 s
   for row in "50:medium:--profile" "50:highest:--cpu-reference" "500:medium:" "500:highest:"; do
@@ -141,9 +124,9 @@ forms() {  # the hand-written forms of the CNN round, each row's variants in one
     case $clients:$precision in  # at "highest" compiling takes 15-28 s a variant
       50:medium) variants="vmap:rw:nchw map:rs:nchw map:rs:nchw:dot pack2:rs:nchw pack5:rs:nchw
                    pack10:rs:nchw pack5:rs:nhwc:dot" ;;
-      50:highest) variants="map:rs:nchw pack2:rs:nchw pack5:rs:nchw" ;;
+      50:highest) variants="map:rs:nchw pack2:rs:nchw pack4:rs:nchw" ;;
       500:medium) variants="map:rs:nchw pack2:rs:nchw pack4:rs:nchw pack5:rs:nchw pack10:rs:nchw" ;;
-      *) variants="map:rs:nchw pack2:rs:nchw pack5:rs:nchw" ;;
+      *) variants="map:rs:nchw pack2:rs:nchw pack4:rs:nchw" ;;
     esac
     # shellcheck disable=SC2086
     timeout -k 10 200 python3 -m benchmarks.studies.bench_cnn_forms --rows "$clients:$precision" \
@@ -179,7 +162,6 @@ for part in "${parts[@]}"; do
                 --alternatives bridge_mr bridge_mr_resident pure_jax ;;
     convs) convs ;;
     forms) forms ;;
-    dense) dense ;;
     precision) timeout -k 10 200 python3 -m benchmarks.studies.bench_conv_precision 2>&1 \
                  | grep -v -i warn | tee "$OUT/bench_precision.txt"
                [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: precision failed"; status=1; } ;;

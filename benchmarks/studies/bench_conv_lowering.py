@@ -1,8 +1,8 @@
-"""The CNN round's per-client convolutions, grouped, as matrix products or dense (issue 42), in
-one process, on the chip (or the CPU).
+"""The CNN round's per-client convolutions, grouped or as matrix products (issue 42), in one
+process, on the chip (or the CPU).
 
     python -m benchmarks.studies.bench_conv_lowering [--device tpu] [--rows 50:highest ...]
-        [--chunks K ...] [--dense G ...] [--reps N] [--until SECONDS] [--out FILE] [--profile]
+        [--chunks K ...] [--grouped G ...] [--reps N] [--until SECONDS] [--out FILE] [--profile]
 
 The round is the "accelerator" case's CNN row (pfl-research's CIFAR10 simple_cnn, 5 local SGD
 steps of 10 images per client, `from_torch` + `local_training`; `workloads.accelerator`). A row
@@ -14,10 +14,8 @@ the same `jax.default_matmul_precision`). Variants, each from the same server pa
 * "matmul": the same program through `jax_core.matmul_convolutions` (batched matrix products);
 * "matmul:chunks:K": `jax_core.map_reduce(strategy="chunks", chunk_size=K)` of the same client,
   rewritten so (the memory of K clients at a time);
-* "chunks:G" and "dense:chunks:G" (`--dense G ...`): the chunked round of G clients at a time,
-  its convolutions grouped (as vmap leaves them) or through
-  `jax_core.block_diagonal_convolutions` (dense convolutions of block-diagonal kernels, the G
-  clients side by side in the features);
+* "chunks:G" (`--grouped G ...`): the chunked round of G clients at a time, its convolutions
+  grouped (as vmap leaves them);
 * "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), as
   the frontend compiles it for the device.
 
@@ -64,7 +62,7 @@ TOP_OPS = 12
 
 
 def _variants(
-    cfg: acc.AcceleratorConfig, chunks: list[int], dense: list[int]
+    cfg: acc.AcceleratorConfig, chunks: list[int], grouped: list[int]
 ) -> dict[str, Callable[[], Any]]:
     """Each variant as a zero-argument round from the same server parameters."""
     import jax
@@ -93,12 +91,9 @@ def _variants(
     for size in chunks:
         if size < cfg.clients:
             programs[f"matmul:chunks:{size}"] = jax_core.matmul_convolutions(chunked(size))
-    for size in dense:
+    for size in grouped:
         if size < cfg.clients:
             programs[f"chunks:{size}"] = chunked(size)
-        programs[f"dense:chunks:{size}"] = jax_core.block_diagonal_convolutions(
-            chunked(size), max_groups=size
-        )
 
     def call(fn: Callable[..., Any]) -> Callable[[], Any]:
         jitted = jax.jit(fn)
@@ -177,14 +172,14 @@ def _row(
     device: str,
     reps: int,
     chunks: list[int],
-    dense: list[int],
+    grouped: list[int],
     until: float,
     profile: bool,
 ) -> list[dict[str, Any]]:
     cfg = acc.AcceleratorConfig("cnn", clients, device=device, precision=precision)
     flops = acc.flops(cfg)
     peak = acc.device_peak(device).get("peak_flop_per_s")
-    calls = _variants(cfg, chunks, dense)
+    calls = _variants(cfg, chunks, grouped)
     results: dict[str, dict[str, Any]] = {}
     reference: list[np.ndarray] | None = None
     for name, fn in calls.items():
@@ -263,20 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="tpu", choices=("tpu", "cpu", "cuda"))
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS))
     parser.add_argument("--chunks", nargs="*", type=int, default=[100])
-    parser.add_argument("--dense", nargs="*", type=int, default=[], help="G: 2 or more")
+    parser.add_argument("--grouped", nargs="*", type=int, default=[], help="chunks of G")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--until", type=float, default=float("inf"))
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="device ops of one round each")
     args = parser.parse_args(argv)
     specs = parse_rows(parser, args.rows, PASSES)
-    for clients, precision in specs:
-        for size in args.dense:
-            if not 2 <= size <= clients or clients % size:
-                parser.error(
-                    f"--dense: expected chunks of 2 or more clients that divide row "
-                    f"{clients}:{precision}'s {clients} clients, got {size}"
-                )
     until = time.monotonic() + args.until
     rows: list[dict[str, Any]] = []
     for clients, precision in specs:
@@ -290,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             args.device,
             args.reps,
             args.chunks,
-            args.dense,
+            args.grouped,
             until,
             args.profile,
         )

@@ -8,7 +8,6 @@ from ._api import reduce_weighted_mean as reduce_weighted_mean
 from ._arguments import STRATEGIES as STRATEGIES
 from ._arguments import check_strategy as check_strategy
 from ._arguments import client_count as client_count
-from ._block_diagonal import block_diagonal_convolutions as block_diagonal_convolutions
 from ._clear import clear_caches as clear_caches
 from ._cpu import accurate_sums as accurate_sums
 from ._cpu import cpu_compiler_options as cpu_compiler_options
@@ -33,7 +32,6 @@ __all__ = [
     "Placement",
     "accurate_sums",
     "ambient_mesh",
-    "block_diagonal_convolutions",
     "broadcast",
     "broadcast_p",
     "canonical_layouts",

@@ -52,22 +52,19 @@ def test_bench_conv_lowering_times_each_lowering_from_the_same_server(
 
     study = benchmark("studies.bench_conv_lowering")
     argv = ["--device", "cpu", "--rows", "2:medium", "--reps", "1", "--chunks", "1"]
-    study.main([*argv, "--dense", "2"])
+    study.main([*argv, "--grouped", "1"])
     out = capsys.readouterr().out
     # The "medium" row's torch round ran at "medium"; the process's setting is as it was (a
     # leaked "medium" moved the demo's torch baselines, tests/demo, by 2e-4 in CI).
     assert torch.get_float32_matmul_precision() == "highest"
     rows = [line for line in out.splitlines() if line.startswith("| cnn/c2/medium |")]
     variants = [row.split("|")[2].strip() for row in rows]
-    assert variants == ["pure_jax", "matmul", "matmul:chunks:1", "dense:chunks:2", "bridge_mr"], out
+    assert variants == ["pure_jax", "matmul", "matmul:chunks:1", "chunks:1", "bridge_mr"], out
     for row in rows:  # Each variant's round against pure JAX's, from the same parameters.
         assert float(row.split("|")[8]) < 1e-5, row
     timed = [json.loads(line) for line in out.splitlines() if '"median_s"' in line]
     assert [r["variant"] for r in timed] == variants
     assert all(r["median_s"] > 0 and r["flops"] > 0 for r in timed)
-    for dense in ("3", "1"):  # Chunks that do not divide the clients; a chunk of one.
-        with pytest.raises(SystemExit):
-            study.main([*argv, "--dense", dense])
 
 
 def test_bench_conv_lowering_reads_a_trace_without_a_device_plane_as_no_device_ops() -> None:

@@ -1,6 +1,5 @@
-"""jax_core.matmul_convolutions and block_diagonal_convolutions: grouped convolutions (vmap over
-per-client kernels) as batched matrix products, or as dense convolutions of block-diagonal
-kernels, with the values and gradients of the grouped convolutions.
+"""jax_core.matmul_convolutions: grouped convolutions (vmap over per-client kernels) as batched
+matrix products, with the values and gradients of the grouped convolutions.
 
 Checked on CPU against XLA's own grouped convolution: every layout, stride, padding, dilation
 and group kind, in float64 exactly (to the order of the sums) and in float32; a vmapped FedAvg
@@ -18,7 +17,7 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from bridge_mr import jax_core as mr
-from bridge_mr.jax_core import _block_diagonal, _grouped
+from bridge_mr.jax_core import _grouped
 
 
 def _in_float32_and_float64(float32: float, float64: float) -> pytest.MarkDecorator:
@@ -68,7 +67,6 @@ def _random_convolution(rng: np.random.Generator, dtype: type) -> tuple[dict, ja
 #: Each rewrite of grouped convolutions, as a function of one.
 REWRITES = {
     "matmul": (mr.matmul_convolutions, _grouped.grouped_convolution),
-    "block_diagonal": (mr.block_diagonal_convolutions, _block_diagonal.block_diagonal_convolution),
 }
 
 
@@ -182,57 +180,8 @@ def test_no_grouped_convolution_is_left_in_the_round_or_its_gradient(rewrite):
     assert {p["batch_group_count"] > 1 for p in grouped} == {False, True}
     fast = REWRITES[rewrite][0](_round)
     assert _grouped_convolutions(jax.grad(_final_loss(fast)), params, data) == []
-    # Patches and products, or as many convolutions as before, none grouped.
-    convolutions = str(jax.make_jaxpr(_round)(params, data)).count("conv_general_dilated")
-    jaxpr = str(jax.make_jaxpr(fast)(params, data))
-    assert jaxpr.count("conv_general_dilated") == (0 if rewrite == "matmul" else convolutions)
-
-
-def test_block_diagonal_leaves_convolutions_of_more_groups_than_max_groups():
-    params, data = _cnn_case(clients=4)
-    grouped = len(_grouped_convolutions(_round, params, data))
-    assert grouped > 0
-    assert len(_grouped_convolutions(mr.block_diagonal_convolutions(_round, 3), params, data)) == (
-        grouped
-    )
-    assert _grouped_convolutions(mr.block_diagonal_convolutions(_round, 4), params, data) == []
-    for wrong in (1, 2.0, True, "4"):
-        with pytest.raises(ValueError, match=r"expected max_groups to be an int of at least 2"):
-            mr.block_diagonal_convolutions(_round, wrong)  # type: ignore[arg-type]
-
-
-def test_block_diagonal_over_chunks_of_clients_equals_the_chunked_round():
-    params, data = _cnn_case(clients=6)
-
-    def chunked(p, d):
-        delta = mr.map_reduce(_local_sgd, p, d, strategy="chunks", chunk_size=2)
-        return jax.tree.map(jnp.add, p, delta)
-
-    dense = mr.block_diagonal_convolutions(chunked, 2)
-    assert _grouped_convolutions(chunked, params, data)
-    assert _grouped_convolutions(dense, params, data) == []
-    assert_trees_all_close(jax.jit(dense)(params, data), jax.jit(chunked)(params, data), rtol=2e-5)
-
-
-def test_block_diagonal_spreads_one_groups_nan_to_the_others_as_documented():
-    """As the module says: one group's NaN input, or the cotangent of its NaN kernel's output,
-    meets the zero blocks (0 x NaN) and reaches the other groups; grouped, it stays in its own."""
-    conv = jax.vmap(lambda w, x: lax.conv(x, w, (1, 1), "VALID"))
-    ws, xs = jnp.ones((3, 4, 2, 3, 3)), jnp.ones((3, 1, 2, 5, 5))
-    nan_ws, nan_xs = ws.at[1, 0, 0, 0, 0].set(jnp.nan), xs.at[1, 0, 0, 0, 0].set(jnp.nan)
-
-    def nan_groups(fn, *args):
-        return [bool(jnp.isnan(fn(*args)[g]).any()) for g in range(3)]
-
-    def input_grad(fn):
-        return lambda w, x: jax.grad(lambda v: (fn(w, v) ** 2).sum())(x)
-
-    dense = mr.block_diagonal_convolutions(conv)
-    assert nan_groups(conv, ws, nan_xs) == [False, True, False]
-    assert nan_groups(dense, ws, nan_xs) == [True, True, True]
-    assert nan_groups(dense, nan_ws, xs) == [False, True, False]  # The kernel's zeros are padded.
-    assert nan_groups(input_grad(conv), nan_ws, xs) == [False, True, False]
-    assert nan_groups(input_grad(dense), nan_ws, xs) == [True, True, True]
+    # Patches and products: no convolution at all.
+    assert str(jax.make_jaxpr(fast)(params, data)).count("conv_general_dilated") == 0
 
 
 def test_convolutions_the_matmul_rewrite_would_not_speed_up_stay_as_they_are():

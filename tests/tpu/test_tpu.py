@@ -176,11 +176,9 @@ def test_per_client_convolutions_on_the_chip_equal_the_cpu(strategy: str) -> Non
     assert max(errors.values()) <= 1e-5, errors
 
 
-@pytest.mark.parametrize("rewrite", ["matmul_convolutions", "block_diagonal_convolutions"])
-def test_grouped_convolutions_rewritten_on_the_chip_equal_xlas(rewrite: str) -> None:
-    """jax_core.matmul_convolutions and block_diagonal_convolutions on the chip: the values of
-    XLA:TPU's own grouped convolutions (which it compiles without `feature_group_count`) at
-    "highest"."""
+def test_grouped_convolutions_rewritten_on_the_chip_equal_xlas() -> None:
+    """jax_core.matmul_convolutions on the chip: the values of XLA:TPU's own grouped
+    convolutions (which it compiles without `feature_group_count`) at "highest"."""
 
     def client(w: jax.Array, x: jax.Array) -> jax.Array:
         def loss(k: jax.Array) -> jax.Array:
@@ -195,5 +193,5 @@ def test_grouped_convolutions_rewritten_on_the_chip_equal_xlas(rewrite: str) -> 
     xs = jax.random.normal(jax.random.key(1), (8, 4, 16, 14, 14))
     with jax.default_matmul_precision("highest"):
         want = jax.jit(round_)(w, xs)
-        got = jax.jit(getattr(bridge_mr.jax_core, rewrite)(round_))(w, xs)
+        got = jax.jit(bridge_mr.jax_core.matmul_convolutions(round_))(w, xs)
     assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-5
