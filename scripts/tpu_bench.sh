@@ -146,7 +146,9 @@ for part in "${parts[@]}"; do
   case $part in
     tiny) bench tiny 150 --models tiny --precision highest medium --reps 3 \
             --alternatives torch_loop bridge_mr pure_jax ;;
-    cnn50) bench cnn50 240 --models cnn --clients 50 --reps 3 --alternatives torch_loop \
+    # cnn50: 420 s, a call of its own (at 240 s a 2026-12-06 run, the host's torch loop at
+    # 2.2 s a round, was cut off before its table)
+    cnn50) bench cnn50 420 --models cnn --clients 50 --reps 3 --alternatives torch_loop \
              torch_vmap bridge_mr bridge_mr:vmap bridge_mr:per_client pure_jax ;;
     cnn) bench cnn_medium 150 --models cnn --clients 50 500 --precision medium --reps 3 \
            --alternatives bridge_mr pure_jax
