@@ -41,7 +41,7 @@ from jax.extend import core
 from jax.extend.core.primitives import conv_general_dilated_p
 
 from ._layouts import sharded
-from ._rewrite import Rule, equations, rewritten
+from ._rewrite import equations, rewritten
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -89,31 +89,19 @@ def matmul_convolutions(fn: F) -> F:
     return rewritten(fn, lambda closed: (grouped_as_matmul,))
 
 
-def convolution_rule(
-    lowering: Callable[..., jax.Array], rewrites: Callable[[core.JaxprEqn], bool]
-) -> Rule:
-    """A `_rewrite` rule: each convolution that `rewrites` accepts computed by `lowering`
-    (`lax.conv_general_dilated`'s operands and params), None for any other equation and for
-    convolutions on explicitly sharded values."""
-
-    def rule(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
-        if eqn.primitive is not conv_general_dilated_p:
-            return None
-        params = eqn.params
-        avals: list[Any] = [atom.aval for atom in eqn.invars]
-        if params.get("out_sharding") is not None or any(map(sharded, avals)):
-            return None  # The shardings in the types would need the same reshapes.
-        if not rewrites(eqn):
-            return None
-        return equations(lambda lhs, rhs: lowering(lhs, rhs, **params), eqn)
-
-    return rule
-
-
-def _matmul_pays(eqn: core.JaxprEqn) -> bool:
-    rhs: Any = eqn.invars[1].aval
+def grouped_as_matmul(eqn: core.JaxprEqn) -> list[core.JaxprEqn] | None:
+    """A grouped convolution `eqn` as patches and a batched `dot_general` (a `_rewrite` rule):
+    None for another equation, or a convolution the rewrite would not speed up."""
+    if eqn.primitive is not conv_general_dilated_p:
+        return None
+    params = eqn.params
+    avals: list[Any] = [atom.aval for atom in eqn.invars]
+    if params.get("out_sharding") is not None or any(map(sharded, avals)):
+        return None  # The shardings in the types would need the same reshapes.
     out: Any = eqn.outvars[0].aval
-    return _pays(tuple(rhs.shape), tuple(out.shape), eqn.params)
+    if not _pays(tuple(avals[1].shape), tuple(out.shape), params):
+        return None
+    return equations(lambda lhs, rhs: grouped_convolution(lhs, rhs, **params), eqn)
 
 
 def grouped_convolution(
@@ -162,11 +150,6 @@ def grouped_convolution(
     )
     out = product.transpose(1, 0, 3, 2).reshape(product.shape[1], o, *out_sizes)
     return lax.transpose(out, tuple(int(i) for i in np.argsort(out_spec)))
-
-
-#: A grouped convolution as patches and a batched `dot_general` (a `_rewrite` rule): None for
-#: another equation, or a convolution the rewrite would not speed up.
-grouped_as_matmul = convolution_rule(grouped_convolution, _matmul_pays)
 
 
 def _pays(rhs: tuple[int, ...], out: tuple[int, ...], params: dict[str, Any]) -> bool:

@@ -64,15 +64,8 @@ def _random_convolution(rng: np.random.Generator, dtype: type) -> tuple[dict, ja
     return params, lhs, rhs
 
 
-#: Each rewrite of grouped convolutions, as a function of one.
-REWRITES = {
-    "matmul": (mr.matmul_convolutions, _grouped.grouped_convolution),
-}
-
-
-@pytest.mark.parametrize("rewrite", REWRITES)
 @_in_float32_and_float64(1e-5, 1e-12)
-def test_a_grouped_convolution_rewritten_equals_xlas(rewrite, dtype, close):
+def test_a_grouped_convolution_as_a_matmul_equals_xlas(dtype, close):
     rng = np.random.default_rng(0)
     checked = 0
     while checked < 40:
@@ -85,7 +78,7 @@ def test_a_grouped_convolution_rewritten_equals_xlas(rewrite, dtype, close):
         if 0 in expected_shape:
             continue
         expected = lax.conv_general_dilated_p.bind(lhs, rhs, **params, out_sharding=None)
-        got = REWRITES[rewrite][1](lhs, rhs, **params)
+        got = _grouped.grouped_convolution(lhs, rhs, **params)
         assert got.shape == expected.shape, params
         assert got.dtype == expected.dtype, params
         np.testing.assert_allclose(got, expected, **close, err_msg=str(params))
@@ -158,11 +151,10 @@ def _final_loss(round_fn):
     return loss
 
 
-@pytest.mark.parametrize("rewrite", REWRITES)
 @_in_float32_and_float64(2e-5, 1e-11)
-def test_a_vmapped_cnn_round_and_its_gradient_equal_the_grouped_program(rewrite, dtype, close):
+def test_a_vmapped_cnn_round_and_its_gradient_equal_the_grouped_program(dtype, close):
     params, data = _cnn_case(dtype)
-    fast = REWRITES[rewrite][0](_round)
+    fast = mr.matmul_convolutions(_round)
     assert_trees_all_close(jax.jit(fast)(params, data), jax.jit(_round)(params, data), **close)
     meta, meta_fast = _final_loss(_round), _final_loss(fast)
     assert_trees_all_close(
@@ -170,21 +162,23 @@ def test_a_vmapped_cnn_round_and_its_gradient_equal_the_grouped_program(rewrite,
     )
 
 
-@pytest.mark.parametrize("rewrite", REWRITES)
-def test_no_grouped_convolution_is_left_in_the_round_or_its_gradient(rewrite):
+def test_no_grouped_convolution_is_left_in_the_round_or_its_gradient():
     params, data = _cnn_case()
     # vmap groups the forward convolutions, the kernel gradients (feature groups) and, in the
     # gradient through the round, batch groups.
     meta = _final_loss(_round)
     grouped = _grouped_convolutions(jax.grad(meta), params, data)
     assert {p["batch_group_count"] > 1 for p in grouped} == {False, True}
-    fast = REWRITES[rewrite][0](_round)
-    assert _grouped_convolutions(jax.grad(_final_loss(fast)), params, data) == []
-    # Patches and products: no convolution at all.
-    assert str(jax.make_jaxpr(fast)(params, data)).count("conv_general_dilated") == 0
+    assert (
+        _grouped_convolutions(jax.grad(_final_loss(mr.matmul_convolutions(_round))), params, data)
+        == []
+    )
+    jaxpr = str(jax.make_jaxpr(mr.matmul_convolutions(_round))(params, data))
+    assert "dot_general" in jaxpr
+    assert jaxpr.count("conv_general_dilated") == 0  # patches and products: no convolution
 
 
-def test_convolutions_the_matmul_rewrite_would_not_speed_up_stay_as_they_are():
+def test_convolutions_the_rewrite_would_not_speed_up_stay_as_they_are():
     x = jnp.ones((5, 2, 8, 12, 12))
     shared = jnp.ones((16, 8, 3, 3))
     depthwise = jnp.ones((5, 8, 1, 3, 3))
