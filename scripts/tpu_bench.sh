@@ -107,10 +107,11 @@ ttprof() {  # ttprof MODEL CLIENTS PRECISION: on TorchTPU tensors (scripts/torch
 }
 
 convs() {  # issue 42's rows in one process, cut at $CONVS_S seconds (the rows so far are kept)
+  # CONVS_ARGS: more arguments, e.g. "--chunks --grouped 2 --packed 2 4"
   local limit=${CONVS_S:-330}
   echo "tpu_bench: convs: python -m benchmarks.studies.bench_conv_lowering --until $((limit - 30))"
   timeout -k 10 "$limit" python3 -m benchmarks.studies.bench_conv_lowering --device tpu \
-    --until $((limit - 30)) --profile ${CONVS_ROWS:+--rows $CONVS_ROWS} \
+    --until $((limit - 30)) --profile ${CONVS_ROWS:+--rows $CONVS_ROWS} ${CONVS_ARGS:-} \
     --out "$OUT/bench_convs.md" 2>&1 | tee "$OUT/bench_convs.txt"
   local code=${PIPESTATUS[0]}
   [ "$code" -eq 0 ] || { echo "tpu_bench: convs exited $code"; status=1; }

@@ -2,7 +2,8 @@
 process, on the chip (or the CPU).
 
     python -m benchmarks.studies.bench_conv_lowering [--device tpu] [--rows 50:highest ...]
-        [--chunks K ...] [--grouped G ...] [--reps N] [--until SECONDS] [--out FILE] [--profile]
+        [--chunks K ...] [--grouped G ...] [--packed G ...] [--reps N] [--until SECONDS]
+        [--out FILE] [--profile]
 
 The round is the "accelerator" case's CNN row (pfl-research's CIFAR10 simple_cnn, 5 local SGD
 steps of 10 images per client, `from_torch` + `local_training`; `workloads.accelerator`). A row
@@ -16,6 +17,8 @@ the same `jax.default_matmul_precision`). Variants, each from the same server pa
   rewritten so (the memory of K clients at a time);
 * "chunks:G" (`--grouped G ...`): the chunked round of G clients at a time, its convolutions
   grouped (as vmap leaves them);
+* "packed:G" (`--packed G ...`): `map_reduce(strategy="packed", chunk_size=G)`: G clients at
+  a time packed into their channels, each convolution one dense block-diagonal convolution;
 * "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), as
   the frontend compiles it for the device.
 
@@ -62,7 +65,7 @@ TOP_OPS = 12
 
 
 def _variants(
-    cfg: acc.AcceleratorConfig, chunks: list[int], grouped: list[int]
+    cfg: acc.AcceleratorConfig, chunks: list[int], grouped: list[int], packed: list[int]
 ) -> dict[str, Callable[[], Any]]:
     """Each variant as a zero-argument round from the same server parameters."""
     import jax
@@ -76,10 +79,10 @@ def _variants(
     data = acc._jax_tree(batches, cfg.device)
     precision = acc.JAX_PRECISION[cfg.precision]
 
-    def chunked(size: int) -> Callable[..., Any]:
+    def chunked(size: int, strategy: Any = "chunks") -> Callable[..., Any]:
         def round_(p: Any, d: Any) -> Any:
             delta = jax_core.map_reduce(
-                lambda s, b: local(s, b)["delta"], p, d, strategy="chunks", chunk_size=size
+                lambda s, b: local(s, b)["delta"], p, d, strategy=strategy, chunk_size=size
             )
             return jax.tree.map(jnp.add, p, delta)
 
@@ -94,6 +97,9 @@ def _variants(
     for size in grouped:
         if size < cfg.clients:
             programs[f"chunks:{size}"] = chunked(size)
+    for size in packed:
+        if size < cfg.clients:
+            programs[f"packed:{size}"] = chunked(size, "packed")
 
     def call(fn: Callable[..., Any]) -> Callable[[], Any]:
         jitted = jax.jit(fn)
@@ -173,13 +179,14 @@ def _row(
     reps: int,
     chunks: list[int],
     grouped: list[int],
+    packed: list[int],
     until: float,
     profile: bool,
 ) -> list[dict[str, Any]]:
     cfg = acc.AcceleratorConfig("cnn", clients, device=device, precision=precision)
     flops = acc.flops(cfg)
     peak = acc.device_peak(device).get("peak_flop_per_s")
-    calls = _variants(cfg, chunks, grouped)
+    calls = _variants(cfg, chunks, grouped, packed)
     results: dict[str, dict[str, Any]] = {}
     reference: list[np.ndarray] | None = None
     for name, fn in calls.items():
@@ -259,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS))
     parser.add_argument("--chunks", nargs="*", type=int, default=[100])
     parser.add_argument("--grouped", nargs="*", type=int, default=[], help="chunks of G")
+    parser.add_argument("--packed", nargs="*", type=int, default=[], help="packed chunks of G")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--until", type=float, default=float("inf"))
     parser.add_argument("--out", default=None)
@@ -279,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
             args.reps,
             args.chunks,
             args.grouped,
+            args.packed,
             until,
             args.profile,
         )

@@ -169,7 +169,9 @@ def describe(fn: Any, server: PyTree, clients: PyTree, reduce: str, grads: bool)
 
 
 def label(strategy: str, chunk_size: int | None) -> str:
-    return f"chunks of {chunk_size}" if strategy == "chunks" else strategy
+    if strategy in ("chunks", "packed"):
+        return f"{'packed ' if strategy == 'packed' else ''}chunks of {chunk_size}"
+    return strategy
 
 
 def candidate_text(candidate: Candidate) -> str:

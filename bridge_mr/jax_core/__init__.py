@@ -20,6 +20,7 @@ from ._map_reduce import map_reduce as map_reduce
 from ._maps import map_p as map_p
 from ._mesh import ambient_mesh as ambient_mesh
 from ._mesh import check_mesh as check_mesh
+from ._packed import vmap_packed as vmap_packed
 from ._primitives import broadcast_p as broadcast_p
 from ._primitives import mean_p as mean_p
 from ._primitives import sum_p as sum_p
@@ -54,4 +55,5 @@ __all__ = [
     "reduce_sum",
     "reduce_weighted_mean",
     "sum_p",
+    "vmap_packed",
 ]

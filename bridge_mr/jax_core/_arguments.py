@@ -16,7 +16,9 @@ from ._mesh import AnyMesh, axis_type, check_mesh
 from ._program import Placement
 
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "weighted_mean")
-STRATEGIES: tuple[str, ...] = ("vmap", "per_client", "chunks")
+STRATEGIES: tuple[str, ...] = ("vmap", "per_client", "chunks", "packed")
+#: The strategies that take a `chunk_size`.
+CHUNKED: tuple[str, ...] = ("chunks", "packed")
 
 
 def check_arguments(
@@ -65,35 +67,36 @@ def check_strategy(
 
     Args:
       strategy: the `strategy=` argument.
-      chunk_size: the `chunk_size=` argument: a positive int for "chunks", else None.
+      chunk_size: the `chunk_size=` argument: a positive int for "chunks" and "packed", else
+        None.
       strategies: the strategies the caller offers (the torch frontend adds "auto").
 
     Raises:
-      ValueError: `strategy` is not one of `strategies`, "chunks" without a positive int
-        `chunk_size`, or a `chunk_size` with another strategy; the message names the argument
-        and the fix.
+      ValueError: `strategy` is not one of `strategies`, "chunks" or "packed" without a
+        positive int `chunk_size`, or a `chunk_size` with another strategy; the message names
+        the argument and the fix.
 
     Example:
       >>> bridge_mr.jax_core.check_strategy("chunks", 32)  # Fine: returns None.
       >>> bridge_mr.jax_core.check_strategy("vmap", 32)
       Traceback (most recent call last):
-      ValueError: map_reduce(chunk_size=32) is only for strategy='chunks' (got ...
+      ValueError: map_reduce(chunk_size=32) is only for strategy='chunks' or 'packed' (got ...
     """
     if not isinstance(strategy, str) or strategy not in strategies:
         raise ValueError(
             f"map_reduce(strategy=...): expected one of {', '.join(map(repr, strategies))}; "
             f"got {strategy!r}."
         )
-    if strategy == "chunks":
-        _check_chunk_size(chunk_size)
+    if strategy in CHUNKED:
+        _check_chunk_size(chunk_size, strategy)
     elif chunk_size is not None:
         raise ValueError(
-            f"map_reduce(chunk_size={chunk_size!r}) is only for strategy='chunks' (got "
-            f"strategy={strategy!r}). Pass strategy='chunks' with it, or drop chunk_size."
+            f"map_reduce(chunk_size={chunk_size!r}) is only for strategy='chunks' or 'packed' "
+            f"(got strategy={strategy!r}). Pass strategy='chunks' with it, or drop chunk_size."
         )
 
 
-def _check_chunk_size(chunk_size: Any) -> None:
+def _check_chunk_size(chunk_size: Any, strategy: str) -> None:
     """Raises, naming the argument, unless `chunk_size` is a positive int."""
     try:
         size = operator.index(chunk_size)
@@ -101,8 +104,8 @@ def _check_chunk_size(chunk_size: Any) -> None:
         size = None
     if size is None or isinstance(chunk_size, bool) or size <= 0:
         raise ValueError(
-            "map_reduce(chunk_size=...): strategy='chunks' needs a positive int, the number of "
-            f"clients run at once (e.g. chunk_size=32); got {type(chunk_size).__name__}: "
+            f"map_reduce(chunk_size=...): strategy={strategy!r} needs a positive int, the number "
+            f"of clients run at once (e.g. chunk_size=32); got {type(chunk_size).__name__}: "
             f"{chunk_size!r}."
         )
 

@@ -49,28 +49,31 @@ def map_reduce(
     `server`). With JAX arrays only, it is the JAX program itself
     (`bridge_mr.jax_core.map_reduce`).
 
-    Strategies (same values and gradients, different speed and memory): "vmap" runs all
-    clients at once; "per_client" runs one client at a time in an XLA loop (the memory of one
-    client, no grouped convolutions); "chunks" runs `chunk_size` clients at a time (memory
-    O(chunk_size), forward and gradient alike), and is what `chunk_size` alone (with
-    `strategy` left at its default) means. "auto" (the default) decides once per signature,
-    among vmap, per_client and chunks of 16 and 128 (those below the client count), without
-    compiling or running any but the call itself: it traces `fn` once (every candidate and the
-    call evaluate that trace), reads each candidate's program from its jaxpr (operations of
-    matrix products and convolutions, peak live memory, convolution groups), rules out on CPU
-    the batched strategies that would turn convolutions over per-client weights into grouped
-    convolutions, and those over `memory_budget_bytes`, and keeps vmap unless another needs
-    clearly fewer operations (`AUTO_MARGIN`; the settings: `bridge_mr.auto.settings`). The call
-    then compiles and runs the strategy picked, and keeps its program, so the first call of
-    "auto" costs about what the first call of the strategy it picks does. Each decision is also
-    kept on disk (`$BRIDGE_MR_CACHE_DIR`, else `$XDG_CACHE_HOME/bridge_mr`, else
-    `~/.cache/bridge_mr`; `BRIDGE_MR_AUTO_DISK=0` turns it off) so the next process reads it
-    instead of deciding again.
-    `bridge_mr.map_reduce_choices()` lists the choices with their estimates, and the
-    "bridge_mr" logger reports each at DEBUG level. "auto" runs vmap without deciding for
-    JAX inputs, torch-xla tensors (whose lazy calls cannot be timed one by one) and under
-    `torch.compile`; under `torch.func` transforms and forward-mode AD it uses a choice already
-    made for the signature, else vmap.
+    Strategies (same values and gradients, different speed and memory): "vmap" runs all clients
+    at once; "per_client" runs one client at a time in an XLA loop (the memory of one client, no
+    grouped convolutions); "chunks" runs `chunk_size` clients at a time (memory O(chunk_size),
+    forward and gradient alike), and is what `chunk_size` alone (with `strategy` left at its
+    default) means; "packed" runs `chunk_size` clients at a time packed into their channels,
+    each convolution over per-client kernels one dense convolution of the block-diagonal kernel
+    (`bridge_mr.jax_core.vmap_packed`: for small CNNs on a TPU; a NaN in one client's
+    activations spreads to its chunk; "auto" does not pick it). "auto" (the default) decides
+    once per signature, among vmap, per_client and chunks of 16 and 128 (those below the client
+    count), without compiling or running any but the call itself: it traces `fn` once (every
+    candidate and the call evaluate that trace), reads each candidate's program from its jaxpr
+    (operations of matrix products and convolutions, peak live memory, convolution groups),
+    rules out on CPU the batched strategies that would turn convolutions over per-client weights
+    into grouped convolutions, and those over `memory_budget_bytes`, and keeps vmap unless
+    another needs clearly fewer operations (`AUTO_MARGIN`; the settings:
+    `bridge_mr.auto.settings`). The call then compiles and runs the strategy picked, and keeps
+    its program, so the first call of "auto" costs about what the first call of the strategy it
+    picks does. Each decision is also kept on disk (`$BRIDGE_MR_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/bridge_mr`, else `~/.cache/bridge_mr`; `BRIDGE_MR_AUTO_DISK=0` turns it
+    off) so the next process reads it instead of deciding again.
+    `bridge_mr.map_reduce_choices()` lists the choices with their estimates, and the "bridge_mr"
+    logger reports each at DEBUG level. "auto" runs vmap without deciding for JAX inputs,
+    torch-xla tensors (whose lazy calls cannot be timed one by one) and under `torch.compile`;
+    under `torch.func` transforms and forward-mode AD it uses a choice already made for the
+    signature, else vmap.
 
     Tracing: each distinct signature (tree structure, shapes, dtypes, devices, which tensors
     need gradients, JAX's configuration, the ambient mesh) is traced and compiled once. `fn` is
@@ -104,9 +107,9 @@ def map_reduce(
         waits for its results anyway; torch-xla and TorchTPU tensors by one small device read
         before it).
         False gives raw IEEE results (NaN / inf) and skips that work.
-      strategy: "auto", "vmap", "per_client" or "chunks" (see above).
-      chunk_size: for "chunks": how many clients run at once (a positive int). Given alone
-        (`strategy` left at "auto"), it means strategy="chunks".
+      strategy: "auto", "vmap", "per_client", "chunks" or "packed" (see above).
+      chunk_size: for "chunks" and "packed": how many clients run at once (a positive int).
+        Given alone (`strategy` left at "auto"), it means strategy="chunks".
       memory_budget_bytes: for "auto": the most memory a candidate may need by the cost
         model's estimate, read from its jaxpr (default: half the device's memory limit, or half
         the host's memory on CPU, and at most `AUTO_MEMORY_FACTOR` times the leanest

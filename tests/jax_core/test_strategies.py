@@ -15,8 +15,9 @@ from jax.sharding import AxisType
 from bridge_mr import jax_core as mr
 
 N = 7  # Not divisible by the chunk size 3.
-#: (strategy, chunk_size): uneven chunks, a chunk size above N, chunks of one, per client.
-LOOPED = [("chunks", 3), ("chunks", 10), ("chunks", 1), ("per_client", None)]
+#: (strategy, chunk_size): uneven chunks, a chunk size above N, chunks of one, per client, and
+#: "packed" (without convolutions: chunks; with them: tests/jax_core/test_packed.py).
+LOOPED = [("chunks", 3), ("chunks", 10), ("chunks", 1), ("per_client", None), ("packed", 3)]
 REDUCTIONS = ["mean", "sum", "weighted_mean"]
 # float32: a loop adds the clients in another order than vmap's reduction.
 CLOSE = {"rtol": 2e-5, "atol": 2e-6}
@@ -199,6 +200,13 @@ def test_an_explicit_placement_axis_is_refused_with_the_fix():
         mr.map_reduce(_client, params, clients, strategy="chunks", chunk_size=4, mesh=mesh)
 
 
+def test_packed_on_a_mesh_with_the_placement_is_refused_with_the_fix():
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(AxisType.Auto,))
+    params, clients, _ = _case(n=8)
+    with pytest.raises(ValueError, match=r"strategy='packed'.*'clients'.*strategy='chunks'"):
+        mr.map_reduce(_client, params, clients, strategy="packed", chunk_size=4, mesh=mesh)
+
+
 def test_a_symbolic_client_count_needs_vmap():
     (n,) = jax.export.symbolic_shape("n")
     params, _, _ = _case()
@@ -225,6 +233,7 @@ def test_a_symbolic_client_count_needs_vmap():
         ({"strategy": "chunks", "chunk_size": 0}, r"chunk_size=\.\.\.\).*positive int.*0"),
         ({"strategy": "chunks", "chunk_size": True}, r"chunk_size=\.\.\.\).*bool: True"),
         ({"strategy": "chunks", "chunk_size": 2.0}, r"chunk_size=\.\.\.\).*float: 2.0"),
+        ({"strategy": "packed"}, r"chunk_size=\.\.\.\): strategy='packed' needs a positive"),
         ({"chunk_size": 4}, r"chunk_size=4\) is only for strategy='chunks'.*'vmap'"),
         ({"reduce": "max"}, r"map_reduce\(reduce=\.\.\.\): expected one of"),
     ],
