@@ -27,8 +27,8 @@ Reduction: TypeAlias = Literal["mean", "sum", "weighted_mean"]
 
 #: How a round runs its clients: all at once ("vmap"), one at a time in an XLA loop
 #: ("per_client"), `chunk_size` at a time ("chunks"), or `chunk_size` at a time packed into
-#: their channels ("packed"). `bridge_mr.jax_core.map_reduce` takes these; `strategy="auto"`
-#: may pick each but "packed".
+#: their channels ("packed"). `bridge_mr.jax_core.map_reduce` takes these; each is what
+#: `strategy="auto"` may pick ("packed" on a TPU only).
 Strategy: TypeAlias = Literal["vmap", "per_client", "chunks", "packed"]
 
 #: What the torch `map_reduce` and the algorithms take: a `Strategy`, or "auto" (decided once

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import torch
 
-from bridge_mr import _caches, dlpack
+from bridge_mr import _caches, dlpack, jax_core
 from bridge_mr._compat import torch as torch_compat
 
 from . import _decisions, _device, _pick, _reading, _report, settings
@@ -165,6 +165,10 @@ def _decide(
     if not _reading.explicit_placement(placement, mesh):  # Which only vmap supports.
         chunks: list[Option] = [("chunks", k) for k in settings.AUTO_CHUNK_SIZES if k < n]
         options += [("per_client", None), *chunks]
+        packed = settings.AUTO_TPU_PACKED
+        no_mesh = mesh is None and jax_core.ambient_mesh() is None
+        if device.platform == "tpu" and packed is not None and packed < n and no_mesh:
+            options.append(("packed", packed))
     costs = {o: _reading.round_cost(kind.program, args, specs, o, bool(grads)) for o in options}
     budget = _pick.memory_budget(budget, costs, device, kind)
     skipped = _pick.ruled_out(costs, budget, device)

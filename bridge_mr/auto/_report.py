@@ -147,6 +147,7 @@ def from_record(record: dict[str, Any], signature: str) -> Choice | None:
         "vmap",
         "per_client",
         "chunks",
+        "packed",
     ):
         return None
     return choice

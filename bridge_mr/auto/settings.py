@@ -47,6 +47,15 @@ AUTO_TORCH_TPU_MAX_CONV_GROUPS: int | None = 1
 #: tensors: 43 against 67-71 ms); the CNN round of 50 clients 33.6 against 52.9 ms. Below it
 #: (a tiny call: 4 clients of an 8-wide MLP, 2.2 ms either way) vmap stays first.
 AUTO_TPU_CLIENT_FLOPS = 1e8
+#: On a TPU (JAX's), where vmap would group the client's convolutions over per-client weights,
+#: `auto` considers strategy "packed" with chunks of this many clients (below the client count,
+#: no mesh over the clients) and prefers it to every other candidate (None: not considered).
+#: On a v5e, the pfl CNN FedAvg round (data on the chip): 50 clients at torch's "medium"
+#: precision, packed 2 26.9 ms against chunks of 2 33.2 ms and vmap 53.3 ms; at "highest"
+#: 85.1 against 128 and 136 ms; 500 clients, "medium", 217 against 279 and 618 ms; "highest"
+#: 801 against 1,228 ms (vmap out of HBM); chunks of 4 packed were slower than of 2 (32.8 and
+#: 234 ms at "medium").
+AUTO_TPU_PACKED: int | None = 2
 #: Time the candidates the cost model leaves, rather than take its favourite. Each timed
 #: candidate is compiled and run (its program kept) a few times, which costs about one first
 #: call each: measuring on a first call what the cost model cannot see.

@@ -56,24 +56,25 @@ def map_reduce(
     default) means; "packed" runs `chunk_size` clients at a time packed into their channels,
     each convolution over per-client kernels one dense convolution of the block-diagonal kernel
     (`bridge_mr.jax_core.vmap_packed`: for small CNNs on a TPU; a NaN in one client's
-    activations spreads to its chunk; "auto" does not pick it). "auto" (the default) decides
-    once per signature, among vmap, per_client and chunks of 16 and 128 (those below the client
-    count), without compiling or running any but the call itself: it traces `fn` once (every
-    candidate and the call evaluate that trace), reads each candidate's program from its jaxpr
-    (operations of matrix products and convolutions, peak live memory, convolution groups),
-    rules out on CPU the batched strategies that would turn convolutions over per-client weights
-    into grouped convolutions, and those over `memory_budget_bytes`, and keeps vmap unless
-    another needs clearly fewer operations (`AUTO_MARGIN`; the settings:
-    `bridge_mr.auto.settings`). The call then compiles and runs the strategy picked, and keeps
-    its program, so the first call of "auto" costs about what the first call of the strategy it
-    picks does. Each decision is also kept on disk (`$BRIDGE_MR_CACHE_DIR`, else
-    `$XDG_CACHE_HOME/bridge_mr`, else `~/.cache/bridge_mr`; `BRIDGE_MR_AUTO_DISK=0` turns it
-    off) so the next process reads it instead of deciding again.
-    `bridge_mr.map_reduce_choices()` lists the choices with their estimates, and the "bridge_mr"
-    logger reports each at DEBUG level. "auto" runs vmap without deciding for JAX inputs,
-    torch-xla tensors (whose lazy calls cannot be timed one by one) and under `torch.compile`;
-    under `torch.func` transforms and forward-mode AD it uses a choice already made for the
-    signature, else vmap.
+    activations spreads to its chunk). "auto" (the default) decides once per signature, among
+    vmap, per_client and chunks of 16 and 128 (those below the client count; on a TPU also
+    packed chunks of `AUTO_TPU_PACKED`, which it prefers where vmap would group the client's
+    convolutions over per-client weights), without compiling or running any but the call itself:
+    it traces `fn` once (every candidate and the call evaluate that trace), reads each
+    candidate's program from its jaxpr (operations of matrix products and convolutions, peak
+    live memory, convolution groups), rules out on CPU the batched strategies that would turn
+    convolutions over per-client weights into grouped convolutions, and those over
+    `memory_budget_bytes`, and keeps vmap unless another needs clearly fewer operations
+    (`AUTO_MARGIN`; the settings: `bridge_mr.auto.settings`). The call then compiles and runs
+    the strategy picked, and keeps its program, so the first call of "auto" costs about what the
+    first call of the strategy it picks does. Each decision is also kept on disk
+    (`$BRIDGE_MR_CACHE_DIR`, else `$XDG_CACHE_HOME/bridge_mr`, else `~/.cache/bridge_mr`;
+    `BRIDGE_MR_AUTO_DISK=0` turns it off) so the next process reads it instead of deciding
+    again. `bridge_mr.map_reduce_choices()` lists the choices with their estimates, and the
+    "bridge_mr" logger reports each at DEBUG level. "auto" runs vmap without deciding for JAX
+    inputs, torch-xla tensors (whose lazy calls cannot be timed one by one) and under
+    `torch.compile`; under `torch.func` transforms and forward-mode AD it uses a choice already
+    made for the signature, else vmap.
 
     Tracing: each distinct signature (tree structure, shapes, dtypes, devices, which tensors
     need gradients, JAX's configuration, the ambient mesh) is traced and compiled once. `fn` is

@@ -110,11 +110,19 @@ def test_a_cpu_rules_out_every_grouped_convolution(clients, monkeypatch):
 
 
 @pytest.mark.parametrize("clients", [50, 500])
-def test_a_tpu_rules_out_every_grouped_convolution(clients, monkeypatch):
-    assert _choose(_local_conv_steps, *_cnn(clients), V5E, monkeypatch) == ("per_client", None)
+def test_a_tpu_packs_convolutions_over_per_client_weights(clients, monkeypatch):
+    """Packed chunks of AUTO_TPU_PACKED first (the v5e's fastest CNN rounds), the grouped
+    candidates ruled out; without packing per_client, and with a GPU's bound vmap or chunks."""
+    assert _choose(_local_conv_steps, *_cnn(clients), V5E, monkeypatch) == ("packed", 2)
     choice = auto.map_reduce_choices()[-1]
+    assert "AUTO_TPU_PACKED" in choice.reason
     skipped = {(c.strategy, c.chunk_size): c.skipped for c in choice.candidates}
-    assert all("AUTO_TPU_MAX_CONV_GROUPS" in skipped[o] for o in skipped if o[0] != "per_client")
+    grouped = [o for o in skipped if o[0] in ("vmap", "chunks")]
+    assert grouped
+    assert all("AUTO_TPU_MAX_CONV_GROUPS" in skipped[o] for o in grouped)
+    assert _choose(_local_conv_steps, *_cnn(clients), H200, monkeypatch)[0] != "packed"
+    monkeypatch.setattr(settings, "AUTO_TPU_PACKED", None)
+    assert _choose(_local_conv_steps, *_cnn(clients), V5E, monkeypatch) == ("per_client", None)
     monkeypatch.setattr(settings, "AUTO_TPU_MAX_CONV_GROUPS", 64)  # a GPU's bound
     expected = ("vmap", None) if clients == 50 else ("chunks", 16)
     assert _choose(_local_conv_steps, *_cnn(clients), V5E, monkeypatch) == expected
@@ -141,7 +149,11 @@ def test_a_tpu_runs_clients_with_a_large_share_of_the_round_one_at_a_time(device
     share = 2 * (2 * 32 * 64 * 256)  # one client's two products (no gradients here)
     monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", share)
     assert _choose(_mlp, params, clients, device, monkeypatch) == ("per_client", None)
-    assert "AUTO_TPU_CLIENT_FLOPS" in auto.map_reduce_choices()[-1].reason
+    choice = auto.map_reduce_choices()[-1]
+    assert "AUTO_TPU_CLIENT_FLOPS" in choice.reason
+    packed = [c for c in choice.candidates if c.strategy == "packed"]  # No convolution to pack.
+    assert all("packing the clients runs no convolution" in c.skipped for c in packed)
+    assert bool(packed) == (device is V5E)
     assert _choose(_mlp, params, clients, H200, monkeypatch) == ("vmap", None)
     assert _choose(_mlp, params, clients, SMALL_CPU, monkeypatch) == ("vmap", None)
     monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", share + 1)
@@ -187,7 +199,7 @@ def test_every_setting_is_part_of_a_decisions_name_on_disk(monkeypatch):
     auto.forget_choices()
     _choose(_local_conv_steps, server, clients, H200, monkeypatch)
     before = set(auto.directory().glob("*.json"))
-    monkeypatch.setattr(settings, "AUTO_TPU_CLIENT_FLOPS", 2.0)  # the last one added
+    monkeypatch.setattr(settings, "AUTO_TPU_PACKED", 4)  # the last one added
     auto.forget_choices()
     _choose(_local_conv_steps, server, clients, H200, monkeypatch)
     assert len(set(auto.directory().glob("*.json")) - before) == 1

@@ -24,7 +24,13 @@ import bridge_mr
 
 pytestmark = pytest.mark.tpu
 
-_STRATEGIES = [("vmap", None), ("per_client", None), ("chunks", 4), ("auto", None)]
+_STRATEGIES = [
+    ("vmap", None),
+    ("per_client", None),
+    ("chunks", 4),
+    ("packed", 2),
+    ("auto", None),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -156,10 +162,13 @@ def _cnn_round_case() -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[st
     return net, params, data
 
 
-@pytest.mark.parametrize("strategy", ["vmap", "auto"])
-def test_per_client_convolutions_on_the_chip_equal_the_cpu(strategy: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "chunk_size"), [("vmap", None), ("packed", 2), ("packed", 3), ("auto", None)]
+)
+def test_per_client_convolutions_on_the_chip_equal_the_cpu(strategy: str, chunk_size: Any) -> None:
     """A FedAvg round of a from_torch CNN (per-client kernels after the first local step, which
-    vmap groups): on the chip, at "highest", the CPU's values."""
+    vmap groups and "packed" runs as dense block-diagonal convolutions; auto picks "packed"
+    there): on the chip, at "highest", the CPU's values."""
     optax = pytest.importorskip("optax")
     net, params, data = _cnn_round_case()
 
@@ -169,7 +178,11 @@ def test_per_client_convolutions_on_the_chip_equal_the_cpu(strategy: str) -> Non
     train = bridge_mr.algorithms.local_training(
         bridge_mr.from_torch(local), optax.sgd(0.1), steps=3
     )
-    on_chip, _ = bridge_mr.algorithms.mean_delta(train, params, data, strategy=strategy)
+    on_chip, _ = bridge_mr.algorithms.mean_delta(
+        train, params, data, strategy=strategy, chunk_size=chunk_size
+    )
+    if strategy == "auto":
+        assert bridge_mr.map_reduce_choices()[-1].strategy == "packed"
     with jax.default_device(jax.devices("cpu")[0]):
         on_cpu, _ = bridge_mr.algorithms.mean_delta(train, params, data, strategy="per_client")
     errors = leaf_errors(on_chip, on_cpu)
