@@ -7,6 +7,7 @@ helpers.child           run_python(): a script in a fresh interpreter
 helpers.beam            jit_of(), assert_close(), local_sgd(), the CNN: the Beam tests'
 helpers.examples        example_module(): an examples/*.py script as a module
 helpers.jaxprs          live_shapes(), count_equations()
+helpers.jax_precision   float32_and_float64(): JAX dtype and tolerance params (x64 leg too)
 helpers.zoo             the small-model zoo (torch only; the benchmarks import it too)
 helpers.fuzz            the differential fuzz harness of tests/torch_api/test_fuzz.py
 helpers.bench           benchmark(): a module of benchmarks/, for tests/benchmarks/ only

@@ -11,25 +11,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from helpers import assert_trees_all_close
+from helpers.jax_precision import float32_and_float64
 from jax import lax
 from jax.extend import core as jax_core
 
 from bridge_mr import jax_core as mr
 from bridge_mr.jax_core import _grouped
-
-
-def _in_float32_and_float64(float32: float, float64: float) -> pytest.MarkDecorator:
-    """Parametrizes `dtype` and `close` (tolerances): float32, and float64 in the x64 leg."""
-    return pytest.mark.parametrize(
-        ("dtype", "close"),
-        [
-            (jnp.float32, {"rtol": float32, "atol": float32}),
-            pytest.param(jnp.float64, {"rtol": float64, "atol": float64}, marks=pytest.mark.x64),
-        ],
-        ids=["float32", "float64"],
-    )
 
 
 def _random_convolution(rng: np.random.Generator, dtype: type) -> tuple[dict, jax.Array, jax.Array]:
@@ -64,7 +52,7 @@ def _random_convolution(rng: np.random.Generator, dtype: type) -> tuple[dict, ja
     return params, lhs, rhs
 
 
-@_in_float32_and_float64(1e-5, 1e-12)
+@float32_and_float64(1e-5, 1e-12)
 def test_a_grouped_convolution_as_a_matmul_equals_xlas(dtype, close):
     rng = np.random.default_rng(0)
     checked = 0
@@ -151,7 +139,7 @@ def _final_loss(round_fn):
     return loss
 
 
-@_in_float32_and_float64(2e-5, 1e-11)
+@float32_and_float64(2e-5, 1e-11)
 def test_a_vmapped_cnn_round_and_its_gradient_equal_the_grouped_program(dtype, close):
     params, data = _cnn_case(dtype)
     fast = mr.matmul_convolutions(_round)

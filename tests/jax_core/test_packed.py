@@ -16,21 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_all_close
+from helpers.jax_precision import float32_and_float64
 from jax import lax
 
 from bridge_mr import jax_core as mr
-
-
-def _in_float32_and_float64(float32: float, float64: float) -> pytest.MarkDecorator:
-    """Parametrizes `dtype` and `close` (tolerances): float32, and float64 in the x64 leg."""
-    return pytest.mark.parametrize(
-        ("dtype", "close"),
-        [
-            (jnp.float32, {"rtol": float32, "atol": float32}),
-            pytest.param(jnp.float64, {"rtol": float64, "atol": float64}, marks=pytest.mark.x64),
-        ],
-        ids=["float32", "float64"],
-    )
 
 
 def _random_convolution(rng: np.random.Generator, dtype: type, clients: int):
@@ -69,7 +58,7 @@ def _random_convolution(rng: np.random.Generator, dtype: type, clients: int):
     return conv, rhs, lhs
 
 
-@_in_float32_and_float64(2e-5, 1e-12)
+@float32_and_float64(2e-5, 1e-12)
 @pytest.mark.parametrize("batched", ["both", "kernel", "input"])
 def test_a_packed_convolution_and_its_gradients_equal_vmaps(dtype, close, batched):
     """Per-client kernels on per-client inputs (the block-diagonal kernel), a shared kernel
@@ -166,7 +155,7 @@ def _cnn_case(dtype, clients=5, steps=2, batch=3):
 CNN_FLOAT32 = 1e-3
 
 
-@_in_float32_and_float64(CNN_FLOAT32, 1e-12)
+@float32_and_float64(CNN_FLOAT32, 1e-12)
 def test_local_training_of_a_cnn_packed_equals_vmap(dtype, close):
     """From shared server parameters (the first step's kernels are every client's) and from
     per-client ones (every step's kernels are the client's own), values and gradients."""
@@ -194,7 +183,7 @@ def test_local_training_of_a_cnn_packed_equals_vmap(dtype, close):
     assert_trees_all_close(got, jax.grad(lambda p: total(jax.vmap(_local), p))(per_client), **close)
 
 
-@_in_float32_and_float64(CNN_FLOAT32, 1e-12)
+@float32_and_float64(CNN_FLOAT32, 1e-12)
 @pytest.mark.parametrize("reduce", ["mean", "weighted_mean"])
 def test_a_packed_fedavg_round_equals_chunks(dtype, close, reduce):
     """Five clients in packed chunks of two (the last padded), values and server gradient."""
