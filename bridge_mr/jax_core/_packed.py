@@ -6,7 +6,8 @@ forms: the same for every client (unbatched), stacked along a new leading axis (
 or *packed*: the clients merged, client-major, into one of the value's own dimensions (client
 g's channel c is channel g·C + c). A convolution whose input is packed into its features and
 whose kernel is per client runs as one dense convolution of the block-diagonal kernel; its
-kernel gradient as one dense convolution whose diagonal blocks are kept. Elementwise operations,
+kernel gradient as one dense convolution whose diagonal blocks are kept; with a kernel every
+client shares, the clients go side by side in the batch. Elementwise operations,
 broadcasts, transposes, reductions and windows (max-pools and their gradients) that leave the
 packed dimension alone keep values packed, so a CNN's activations stay packed from one layer to
 the next, in the layout a TPU's matrix unit takes; everything else (matrix products, the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -32,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core
+
+from ._blocks import block_diagonal, diagonal_blocks
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,7 +52,8 @@ _ELEMENTWISE = frozenset(_ELEMENTWISE_NAMES.split())
 _REDUCTION_NAMES = "argmax argmin reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum"
 _REDUCTIONS = frozenset(_REDUCTION_NAMES.split())
 _WINDOWS = frozenset(["reduce_window_max", "reduce_window_min", "reduce_window_sum"])
-_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"}
+#: The call primitives whose program (in the named parameter) is evaluated in place.
+_INLINED = types.MappingProxyType({"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"})
 
 
 def has_convolution(closed: core.ClosedJaxpr) -> bool:
@@ -81,6 +86,9 @@ def vmap_packed(fn: F, size: int) -> F:
     Returns:
       A function of the stacked arguments whose results are `jax.vmap(fn)(*args)`'s.
 
+    Raises:
+      ValueError: (when called) an argument leaf whose leading axis is not `size` long.
+
     Example:
       >>> def conv(k, x):
       ...     return jax.lax.conv(x, k, (1, 1), "SAME").sum()
@@ -91,6 +99,13 @@ def vmap_packed(fn: F, size: int) -> F:
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+            if not jnp.shape(leaf)[:1] == (size,):
+                raise ValueError(
+                    f"vmap_packed(fn, {size}): every argument leaf needs a leading axis of the "
+                    f"{size} clients; args{jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(leaf)}. Stack each client's value along a new first axis."
+                )
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), args)
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*one)
         if not has_convolution(closed):
@@ -344,7 +359,7 @@ class _Packing:
             lhs = self.convert(lhs, lhs_form, lhs_spec[1])
             rhs = self.convert(rhs, rhs_form, STACKED)
             if groups == 1:
-                kernel, groups_ = _block_diagonal(rhs, rhs_spec[0], rhs_spec[1]), 1
+                kernel, groups_ = block_diagonal(rhs, rhs_spec[0], rhs_spec[1]), 1
             else:
                 kernel, groups_ = self.convert(rhs, STACKED, rhs_spec[0]), g * groups
             out = _bind(eqn, [lhs, kernel], feature_group_count=groups_)[0]
@@ -356,7 +371,7 @@ class _Packing:
         lhs = self.convert(lhs, lhs_form, lhs_spec[0])
         rhs = self.convert(rhs, rhs_form, rhs_spec[0])
         full = _bind(eqn, [lhs, rhs])[0]
-        return [(_diagonal_blocks(full, out_spec[0], out_spec[1], g), STACKED)]
+        return [(diagonal_blocks(full, out_spec[0], out_spec[1], g), STACKED)]
 
     def dot(self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]) -> list[tuple[Any, Form]] | None:
         """A product of a value packed along a free dimension with an unbatched one."""
@@ -461,37 +476,3 @@ def _window_leaves(params: dict[str, Any], dim: int) -> bool:
     return all(params[k][dim] == 1 for k in ones if k in params) and tuple(
         params["padding"][dim]
     ) == (0, 0)
-
-
-def _block_diagonal(kernels: Any, out_dim: int, in_dim: int) -> Any:
-    """Stacked kernels [G, ...] as one kernel whose (out, in) block (g, g) is client g's."""
-    g = kernels.shape[0]
-    shape = kernels.shape[1:]
-    x = jnp.moveaxis(kernels, 0, out_dim)  # (.., G, O, ..): client g's rows together.
-    at_in = in_dim + 1 if in_dim > out_dim else in_dim
-    x = jnp.expand_dims(x, at_in)  # A (broadcast) axis for the input's client, before I.
-    at_out = out_dim + 1 if at_in <= out_dim else out_dim
-    mask_shape = [1] * x.ndim
-    mask_shape[at_out], mask_shape[at_in] = g, g
-    eye = jnp.eye(g, dtype=bool)
-    mask = (eye if at_out < at_in else eye.T).reshape(mask_shape)
-    blocks = jnp.where(mask, x, jnp.zeros((), x.dtype))
-    sizes = list(shape)
-    sizes[out_dim] *= g
-    sizes[in_dim] *= g
-    return blocks.reshape(sizes)
-
-
-def _diagonal_blocks(full: Any, a: int, b: int, g: int) -> Any:
-    """Blocks (g, g) of `full` (dimensions `a` and `b` each G blocks long), stacked [G, ...]."""
-    split = full.reshape(
-        [n for i, n in enumerate(full.shape) for n in ((g, n // g) if i in (a, b) else (n,))]
-    )
-    at_a = a + (b < a)
-    at_b = b + (a < b)
-    eye = jnp.eye(g, dtype=bool)
-    mask_shape = [1] * split.ndim
-    mask_shape[at_a], mask_shape[at_b] = g, g
-    mask = (eye if at_a < at_b else eye.T).reshape(mask_shape)
-    kept = jnp.where(mask, split, jnp.zeros((), split.dtype)).sum(axis=at_b)
-    return jnp.moveaxis(kept, at_a if at_a < at_b else at_a - 1, 0)

@@ -243,6 +243,12 @@ def test_a_nan_spreads_within_its_chunk_only():
     assert np.isfinite(jax.vmap(_local)(per_client, (x, y))["loss"][1:]).all()  # vmap: only 0.
 
 
+def test_an_argument_without_the_client_axis_is_named():
+    conv, kernels, inputs = _random_convolution(np.random.default_rng(0), jnp.float32, 3)
+    with pytest.raises(ValueError, match=r"vmap_packed\(fn, 3\).*args\[1\] has shape \(2,"):
+        mr.vmap_packed(conv, 3)(kernels, inputs[:2])
+
+
 def test_without_convolutions_it_is_vmap():
     f = lambda w, x: jnp.tanh(x @ w).sum()
     w, x = jnp.ones((3, 4, 2)), jnp.ones((3, 5, 4))
