@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import torch
 
+from bridge_mr import jax_core
 from bridge_mr.typing import PyTree, Strategy
 
 from ._cost import Cost
@@ -143,11 +144,8 @@ def from_record(record: dict[str, Any], signature: str) -> Choice | None:
     except (KeyError, TypeError, ValueError):
         return None
     options = {(c.strategy, c.chunk_size) for c in candidates}
-    if (choice.strategy, choice.chunk_size) not in options or choice.strategy not in (
-        "vmap",
-        "per_client",
-        "chunks",
-        "packed",
+    if (choice.strategy, choice.chunk_size) not in options or (
+        choice.strategy not in jax_core.STRATEGIES
     ):
         return None
     return choice

@@ -95,7 +95,7 @@ def cpu_compiler_options(jaxpr: core.ClosedJaxpr | core.Jaxpr) -> dict[str, str]
       {}
     """
     open_jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
-    if _has_convolution(open_jaxpr):
+    if has_convolution(open_jaxpr):
         return {YNN_OPTION: NO_YNN_FUSIONS}
     if _has_wide_sum_in_loop(open_jaxpr, in_loop=False):
         return {YNN_OPTION: NO_REDUCE_FUSION}
@@ -230,10 +230,11 @@ def _split(
     return tuple(new_shape), tuple(inner_axes), tuple(after)
 
 
-def _has_convolution(jaxpr: core.Jaxpr) -> bool:
+def has_convolution(jaxpr: core.Jaxpr) -> bool:
+    """Whether `jaxpr` (or any jaxpr inside it) has a convolution."""
     return any(
         eqn.primitive is conv_general_dilated_p
-        or any(map(_has_convolution, core.jaxprs_in_params(eqn.params)))
+        or any(map(has_convolution, core.jaxprs_in_params(eqn.params)))
         for eqn in jaxpr.eqns
     )
 

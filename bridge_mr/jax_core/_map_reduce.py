@@ -43,6 +43,7 @@ from bridge_mr.typing import PyTree, Reduction, Strategy
 from . import _primitives
 from ._api import broadcast, map_fn, reduce_mean, reduce_sum, reduce_weighted_mean
 from ._arguments import (
+    CHUNKED,
     ArrayResults,
     check_arguments,
     check_loopable,
@@ -131,7 +132,7 @@ def map_reduce(
             return _vmapped(client_fn, server, clients, weights, reduce, mesh)
         placed_on = placement_mesh(mesh, where, caller="map_reduce")
         check_loopable(where, placed_on, strategy)
-        if strategy in ("chunks", "packed"):
+        if strategy in CHUNKED:
             assert chunk_size is not None  # check_arguments insists.
             size, batched = min(chunk_size, n), True
         elif placed_on is not None:

@@ -36,6 +36,7 @@ from jax import lax
 from jax.extend import core
 
 from ._blocks import block_diagonal, diagonal_blocks
+from ._cpu import has_convolution
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,26 +55,6 @@ _REDUCTIONS = frozenset(_REDUCTION_NAMES.split())
 _WINDOWS = frozenset(["reduce_window_max", "reduce_window_min", "reduce_window_sum"])
 #: The call primitives whose program (in the named parameter) is evaluated in place.
 _INLINED = types.MappingProxyType({"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"})
-
-
-def has_convolution(closed: core.ClosedJaxpr) -> bool:
-    """Whether `closed` (or any jaxpr inside it) has a convolution."""
-    return any(
-        eqn.primitive.name == "conv_general_dilated"
-        or any(has_convolution(sub) for sub in _closed_jaxprs(eqn.params))
-        for eqn in closed.jaxpr.eqns
-    )
-
-
-def _closed_jaxprs(params: dict[str, Any]) -> list[core.ClosedJaxpr]:
-    subs: list[core.ClosedJaxpr] = []
-    for value in params.values():
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, core.ClosedJaxpr):
-                subs.append(v)
-            elif isinstance(v, core.Jaxpr):
-                subs.append(core.ClosedJaxpr(v, ()))
-    return subs
 
 
 def vmap_packed(fn: F, size: int) -> F:
@@ -108,7 +89,7 @@ def vmap_packed(fn: F, size: int) -> F:
                 )
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), args)
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*one)
-        if not has_convolution(closed):
+        if not has_convolution(closed.jaxpr):
             return jax.vmap(fn)(*args)
         leaves = [(jnp.asarray(x), STACKED) for x in jax.tree.leaves(args)]
         packing = _Packing(size)
