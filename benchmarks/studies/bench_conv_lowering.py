@@ -23,10 +23,11 @@ the same `jax.default_matmul_precision`). Variants, each from the same server pa
   the frontend compiles it for the device.
 
 Per row: each variant's first call (trace, compile, run) apart, then `--reps` rounds timed
-interleaved (A B C, B C A, ...), with the 1-minute load average per timed round; each variant's
-result against the first variant's that ran (pure JAX's unless it ran out of memory; max
-|difference| / max |value|); achieved FLOP/s (the vmap program's
-operations, `auto.cost`) against the device's peak (`device_peak`: a TPU's bf16 rate) and, on
+interleaved (A B C, B C A, ...), each until its new parameters are ready on the device (where a
+JAX user's next round takes them; the torch round's are host tensors), with the 1-minute load
+average per timed round; each variant's result against the first variant's that ran (pure
+JAX's unless it ran out of memory; max |difference| / max |value|); achieved FLOP/s (the vmap
+program's operations, `auto.cost`) against the device's peak (`device_peak`: a TPU's bf16 rate) and, on
 a TPU, against the precision's (a float32 product at "highest" takes 6 bf16 passes, "high" 3).
 With `--profile`, each variant's round runs once more under `jax.profiler.trace`, and the
 device's "XLA Ops" events are summed by op (the `TOP_OPS` longest, with their HLO category and
@@ -104,10 +105,10 @@ def _variants(
     def call(fn: Callable[..., Any]) -> Callable[[], Any]:
         jitted = jax.jit(fn)
 
-        def run() -> Any:
+        def run() -> Any:  # The new parameters stay on the device, for the next round.
             with jax.default_matmul_precision(precision):
                 out = jitted(server, data)
-            return [np.asarray(jax.block_until_ready(out)[name]) for name in names]
+            return [jax.block_until_ready(out)[name] for name in names]
 
         return run
 
@@ -195,7 +196,7 @@ def _row(
         entry: dict[str, Any] = {"row": f"cnn/c{clients}/{precision}", "variant": name}
         start = time.perf_counter()
         try:
-            out = fn()
+            out = [np.asarray(x) for x in fn()]
         except Exception as error:  # Out of memory, mostly: the row says so and goes on.
             entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
             print(json.dumps(entry), flush=True)

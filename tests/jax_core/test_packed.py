@@ -231,6 +231,18 @@ def test_the_packed_program_runs_dense_convolutions_on_packed_activations():
     assert not between & set(sizes), sizes
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cpu"])
+def test_on_a_tpu_the_max_pool_is_a_reshape(platform):
+    """The max-pool and its gradient lower for a TPU as a reshape and a max (faster there in
+    the packed round, see jax_core._windows), elsewhere as XLA's window operations."""
+    server, data = _cnn_case(jnp.float32, clients=4)
+    per_client = jax.tree.map(lambda a: jnp.stack([a] * 4), server)
+    traced = jax.jit(mr.vmap_packed(_local, 4)).trace(per_client, data)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    windows = text.count("stablehlo.reduce_window") + text.count("stablehlo.select_and_scatter")
+    assert (windows == 0) == (platform == "tpu"), windows
+
+
 def test_a_nan_spreads_within_its_chunk_only():
     """The zero blocks of a block-diagonal kernel turn one client's NaN into its chunk's."""
     server, (x, y) = _cnn_case(jnp.float32, clients=4)

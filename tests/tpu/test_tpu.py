@@ -208,3 +208,36 @@ def test_grouped_convolutions_rewritten_on_the_chip_equal_xlas() -> None:
         want = jax.jit(round_)(w, xs)
         got = jax.jit(bridge_mr.jax_core.matmul_convolutions(round_))(w, xs)
     assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-5
+
+
+def test_packed_max_pools_on_the_chip_choose_as_xlas_windows() -> None:
+    """On the chip the packed strategy's max-pool and its gradient are a reshape and a max
+    (jax_core._windows): they choose, ties and NaNs included, what XLA's window operations
+    choose there (vmap's). Small integers: every product and sum is exact at any precision."""
+    import numpy as np
+    from jax import lax
+
+    from bridge_mr import jax_core
+
+    rng = np.random.default_rng(0)
+    clients, numbers = 4, ("NCHW", "OIHW", "NCHW")
+    x = jnp.asarray(rng.integers(-2, 3, (clients, 2, 3, 8, 8)), jnp.float32)
+    kernels = jnp.asarray(rng.integers(-1, 2, (clients, 8, 3, 3, 3)), jnp.float32)
+    nans = np.zeros((clients, 2, 8, 8, 8), np.float32)
+    nans[rng.random(nans.shape) < 0.05] = np.nan
+    cotangent = jnp.asarray(rng.integers(-3, 4, (clients, 2, 8, 4, 4)), jnp.float32)
+
+    def client(k: Any, x: Any, nan: Any, ct: Any) -> Any:
+        h = lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=numbers) + nan
+
+        def pool(h: Any) -> Any:
+            return lax.reduce_window(h, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+
+        y, back = jax.vjp(pool, h)
+        return y, back(ct)[0]
+
+    args = (kernels, x, jnp.asarray(nans), cotangent)
+    want = jax.jit(jax.vmap(client))(*args)
+    got = jax.jit(jax_core.vmap_packed(client, clients))(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), strict=True)
