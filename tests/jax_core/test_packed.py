@@ -58,6 +58,11 @@ def _random_convolution(rng: np.random.Generator, dtype: type, clients: int):
     return conv, rhs, lhs
 
 
+#: Random convolutions a case (each traces and compiles four programs: ~1.7 s on a 2-core CI
+#: machine; 12 a case made this file the main leg's slowest).
+RANDOM_CONVOLUTIONS = 6
+
+
 @float32_and_float64(2e-5, 1e-12)
 @pytest.mark.parametrize("batched", ["both", "kernel", "input"])
 def test_a_packed_convolution_and_its_gradients_equal_vmaps(dtype, close, batched):
@@ -65,7 +70,7 @@ def test_a_packed_convolution_and_its_gradients_equal_vmaps(dtype, close, batche
     (the clients in the batch), shared inputs; gradients hold the transposed convolutions."""
     rng = np.random.default_rng({"both": 0, "kernel": 1, "input": 2}[batched])
     clients = 3
-    for _ in range(12):
+    for _ in range(RANDOM_CONVOLUTIONS):
         conv, kernels, inputs = _random_convolution(rng, dtype, clients)
         if batched == "kernel":
             inputs = inputs[0]
