@@ -27,8 +27,9 @@ interleaved (A B C, B C A, ...), each until its new parameters are ready on the 
 JAX user's next round takes them; the torch round's are host tensors), with the 1-minute load
 average per timed round; each variant's result against the first variant's that ran (pure
 JAX's unless it ran out of memory; max |difference| / max |value|); achieved FLOP/s (the vmap
-program's operations, `auto.cost`) against the device's peak (`device_peak`: a TPU's bf16 rate) and, on
-a TPU, against the precision's (a float32 product at "highest" takes 6 bf16 passes, "high" 3).
+program's operations, `auto.cost`) against the device's peak (`device_peak`: a TPU's bf16
+rate) and, on a TPU, against the precision's (a float32 product at "highest" takes 6 bf16
+passes, "high" 3).
 With `--profile`, each variant's round runs once more under `jax.profiler.trace`, and the
 device's "XLA Ops" events are summed by op (the `TOP_OPS` longest, with their HLO category and
 the start of their HLO text where the trace has them): where a round's time goes on the chip.

@@ -318,7 +318,7 @@ class _Packing:
         if not windowed or not _window_leaves(params, dim):
             return None
         values = [self.convert(v, f, dim) for v, f in ins]
-        return [(_windowed(eqn, values), dim)]
+        return [(_bind_window(eqn, values), dim)]
 
     def convolution(
         self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]
@@ -453,7 +453,7 @@ def _aval_step(x: Any, form: Form) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, x.dtype)
 
 
-def _windowed(eqn: core.JaxprEqn, values: Sequence[Any]) -> Any:
+def _bind_window(eqn: core.JaxprEqn, values: Sequence[Any]) -> Any:
     """A window operation; on a TPU, one whose windows tile its operand as a reshape and a
     reduction (`_windows`: faster there in the packed round)."""
     tiled = lowering(eqn)

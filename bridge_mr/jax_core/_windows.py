@@ -3,17 +3,21 @@
 A max-pool's `reduce_window_max` and its gradient's `select_and_scatter_add` (and the forward
 derivative's `select_and_gather_add`) compute the same values as a reshape of the input into
 its windows, a max over the window axes, and the choice of one element per window. On a TPU
-v5e the packed CNN round (`_packed`) took 19.1 ms this way against 21.4 ms with the window
-primitives (50 clients, "medium", data on the chip:
-benchmarks/results/tpu_v5e/bench_packed_pool.txt), while under plain vmap the reshape measured
-25% slower and on the CPU 15% slower, so only the packed strategy uses it, and only on a TPU
+v5e the packed CNN round (`_packed`) took 19.1 ms this way (bench_conv_lowering) against
+21.4 ms with the window primitives (an ad hoc probe timed the same way; 50 clients, "medium",
+data on the chip: benchmarks/results/tpu_v5e/bench_packed_pool.txt). Under plain vmap the
+reshape measured 25% slower on the chip and on the CPU 15% slower (docs/performance.md, "The
+max-pool as a reshape"), so only the packed strategy uses it, and only on a TPU
 (`lax.platform_dependent`).
 
 `lowering(eqn)` gives the reshape form of an equation whose windows tile its operand (stride =
-window, no padding, no dilation, every size a multiple of its window), or None. The element a
-window chooses is XLA's: going through the window in row-major order, the first element is
-kept while `select(kept, next)` holds (for a max-pool `ge`: the first maximum; a NaN never
-holds, so it passes the choice on). Chosen values are set, never summed, so they are exact.
+window, no padding, no dilation, every size a multiple of its window, floating point), or None.
+The element a window chooses is XLA's: going through the window in row-major order, the kept
+element gives way to the next unless `select(kept, next)` holds (for a max-pool `ge`: the first
+maximum; a NaN never holds, so it passes the choice on); `select_and_gather_add` starts from
+-inf (a max) or inf (a min), so a window of only that value chooses none. Chosen values are
+set, never summed, so they are exact. Differentiating the reshaped pool gives the window
+primitives' derivatives (`_pool_jvp`).
 """
 
 from __future__ import annotations
@@ -70,16 +74,27 @@ def _at(split: Any, position: tuple[int, ...]) -> Any:
 
 
 def _positions(windows: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The positions within a window, in row-major order."""
     return list(itertools.product(*(range(k) for k in windows)))
 
 
-def _chosen(operand: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any:
-    """The row-major index, within its window, of the element each window chooses."""
-    split = jax.lax.stop_gradient(_split(operand, windows))
+def _chosen(
+    operand: Any, select: core.Primitive, windows: tuple[int, ...], start: float | None = None
+) -> Any:
+    """The row-major index, within its window, of the element each window chooses: going
+    through the window, the kept element gives way to the next unless `select(kept, next)`
+    holds. Kept first: the window's first element (`select_and_scatter_add`), or a `start`
+    value at index -1 (`select_and_gather_add`'s -inf for a max, inf for a min: a window of
+    only -inf then chooses none)."""
+    split = lax.stop_gradient(_split(operand, windows))
     positions = _positions(windows)
-    kept = _at(split, positions[0])
-    chosen = jnp.zeros(kept.shape, jnp.int32)
-    for i, position in enumerate(positions[1:], 1):
+    if start is None:
+        kept, first, rest = _at(split, positions[0]), 0, list(enumerate(positions))[1:]
+    else:
+        shape = tuple(n // k for n, k in zip(operand.shape, windows, strict=True))
+        kept, first, rest = jnp.full(shape, start, operand.dtype), -1, list(enumerate(positions))
+    chosen = jnp.full(kept.shape, first, jnp.int32)
+    for i, position in rest:
         value = _at(split, position)
         moves = ~select.bind(kept, value)
         kept, chosen = jnp.where(moves, value, kept), jnp.where(moves, i, chosen)
@@ -87,8 +102,10 @@ def _chosen(operand: Any, select: core.Primitive, windows: tuple[int, ...]) -> A
 
 
 def _gather(tangent: Any, operand: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any:
-    """`select_and_gather_add`: each window's `tangent` at the element `operand` chooses."""
-    chosen, split = _chosen(operand, select, windows), _split(tangent, windows)
+    """`select_and_gather_add`: each window's `tangent` at the element `operand` chooses (zero
+    where it chooses none)."""
+    start = -float("inf") if select is lax.ge_p else float("inf")
+    chosen, split = _chosen(operand, select, windows, start), _split(tangent, windows)
     out = jnp.zeros(chosen.shape, tangent.dtype)
     for i, position in enumerate(_positions(windows)):
         out = jnp.where(chosen == i, _at(split, position), out)
@@ -107,6 +124,13 @@ def _scatter(source: Any, operand: Any, select: core.Primitive, windows: tuple[i
     return jnp.transpose(stacked, order).reshape(operand.shape)
 
 
+def _window_pool(x: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any:
+    """The pool as XLA's window operation (`reduce_window_max` / `_min`)."""
+    if select is lax.ge_p:
+        return lax.reduce_window(x, -jnp.inf, lax.max, windows, windows, "VALID")
+    return lax.reduce_window(x, jnp.inf, lax.min, windows, windows, "VALID")
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _pool(operand: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any:
     """`reduce_window_max` / `_min`: each window's max (or min)."""
@@ -117,7 +141,12 @@ def _pool(operand: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any
 
 @_pool.defjvp
 def _pool_jvp(select: core.Primitive, windows: tuple[int, ...], primals: Any, tangents: Any) -> Any:
-    # The window primitive's derivative (its chosen element's), not a reduction's (which
-    # shares a tie among the maxima).
+    """The window operation's own derivative, so that differentiating a packed program gives
+    what differentiating vmap's gives: forward `select_and_gather_add`, and in reverse its
+    transpose, `select_and_scatter_add` (a reduction's derivative would share a tie among the
+    maxima; and the two window primitives differ on a window of only -inf, which no one rule
+    written here could match in both modes). Those window operations come back in such
+    derivatives only, not in the program being packed."""
     (operand,), (tangent,) = primals, tangents
-    return _pool(operand, select, windows), _gather(tangent, operand, select, windows)
+    derivative = jax.jvp(lambda x: _window_pool(x, select, windows), (operand,), (tangent,))[1]
+    return _pool(operand, select, windows), derivative

@@ -57,44 +57,84 @@ def _same(got, want) -> None:
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), strict=True)
 
 
+def _check(x, windows, name, rng) -> None:
+    """The lowerings of a pool's three window equations, and the lowered pool's derivatives
+    (first and second order, under vmap too), equal the primitives' exactly."""
+    out_shape = tuple(n // k for n, k in zip(x.shape, windows, strict=True))
+    source = jnp.asarray(rng.normal(size=out_shape), x.dtype)
+    tangent = jnp.asarray(rng.normal(size=x.shape), x.dtype)
+
+    def pool(x):
+        return _pool(x, windows, name)
+
+    def backward(source, x):  # the gradient's select_and_scatter_add
+        return jax.vjp(pool, x)[1](source)[0]
+
+    def derivative(tangent, x):  # the forward derivative's select_and_gather_add
+        return jax.jvp(pool, (x,), (tangent,))[1]
+
+    tiled = _windows.lowering(_eqn(pool, x))
+    scatter = _windows.lowering(_eqn(backward, source, x, name="select_and_scatter_add"))
+    gather = _windows.lowering(_eqn(derivative, tangent, x, name="select_and_gather_add"))
+    _same(tiled(x), pool(x))
+    _same(scatter(source, x), backward(source, x))
+    _same(gather(tangent, x), derivative(tangent, x))
+    _same(jax.vmap(scatter)(source[None], x[None]), backward(source, x)[None])
+    # Differentiating the lowered pool gives what differentiating the primitive gives.
+    _same(jax.jvp(tiled, (x,), (tangent,))[1], derivative(tangent, x))
+    _same(jax.vjp(tiled, x)[1](source)[0], backward(source, x))
+
+    def second(f):  # a second-order derivative through the pool (finite inputs only)
+        return jax.jvp(jax.grad(lambda x: jnp.sum(jnp.sin(f(x)))), (x,), (tangent,))[1]
+
+    if bool(jnp.all(jnp.isfinite(x))):
+        _same(second(tiled), second(pool))
+
+
 @pytest.mark.parametrize("special", [False, True], ids=["ties", "nan_inf"])
 @pytest.mark.parametrize("name", ["max", "min"])
 @pytest.mark.parametrize(("shape", "windows"), POOLS)
 def test_a_tiled_pool_and_its_gradients_equal_the_window_primitives(shape, windows, name, special):
     rng = np.random.default_rng(len(shape) + sum(windows))
-    x = jnp.asarray(_operand(rng, shape, special))
-    out_shape = tuple(n // k for n, k in zip(shape, windows, strict=True))
-    source = jnp.asarray(rng.normal(size=out_shape).astype(np.float32))
-    tangent = jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    _check(jnp.asarray(_operand(rng, shape, special)), windows, name, rng)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", ["max", "min"])
+def test_windows_of_only_infinities_or_signed_zeros_choose_as_xlas(name, dtype):
+    """A window of only the pool's start value (-inf for a max, inf for a min) chooses nothing
+    in the forward derivative and its first element in the gradient; -0 and 0 tie."""
+    far = -np.inf if name == "max" else np.inf
+    rows = [[far, far], [-0.0, 0.0], [0.0, -0.0], [far, np.nan], [np.nan, far], [1.0, far]]
+    x = jnp.asarray(np.array(rows, np.float32).reshape(1, 1, -1), dtype)  # windows of 2
+    _check(x, (1, 1, 2), name, np.random.default_rng(0))
+
+
+def test_the_lowerings_run_no_window_primitive():
+    x, source = jnp.ones((2, 3, 4, 4)), jnp.ones((2, 3, 2, 2))
+    windows = (1, 1, 2, 2)
 
     def pool(x):
-        return _pool(x, windows, name)
+        return _pool(x, windows, "max")
 
-    forward = _eqn(pool, x)
-    _same(_windows.lowering(forward)(x), pool(x))
-
-    def backward(source, x):  # the gradient's select_and_scatter_add
-        return jax.vjp(pool, x)[1](source)[0]
-
-    scatter = _eqn(backward, source, x, name="select_and_scatter_add")
-    _same(_windows.lowering(scatter)(source, x), backward(source, x))
-
-    def derivative(tangent, x):  # the forward derivative's select_and_gather_add
-        return jax.jvp(pool, (x,), (tangent,))[1]
-
-    gather = _eqn(derivative, tangent, x, name="select_and_gather_add")
-    _same(_windows.lowering(gather)(tangent, x), derivative(tangent, x))
-    # The lowering's own derivatives are the primitive's (the chosen element, not a tie's share).
-    tiled = _windows.lowering(forward)
-    _same(jax.jvp(tiled, (x,), (tangent,))[1], derivative(tangent, x))
-    _same(jax.vjp(tiled, x)[1](source)[0], backward(source, x))
-
-
-def test_the_lowering_runs_no_window_primitive():
-    x = jnp.ones((2, 3, 4, 4))
-    tiled = _windows.lowering(_eqn(lambda x: _pool(x, (1, 1, 2, 2), "max"), x))
-    names = {e.primitive.name for e in jax.make_jaxpr(jax.grad(lambda x: tiled(x).sum()))(x).eqns}
-    assert not {n for n in names if "window" in n or n.startswith("select_and")}, names
+    backward = jax.vjp(pool, x)[1]
+    found = [
+        _windows.lowering(_eqn(pool, x)),
+        _windows.lowering(
+            _eqn(lambda s, x: backward(s)[0], source, x, name="select_and_scatter_add")
+        ),
+        _windows.lowering(
+            _eqn(lambda t, x: jax.jvp(pool, (x,), (t,))[1], x, x, name="select_and_gather_add")
+        ),
+    ]
+    programs = [
+        jax.make_jaxpr(found[0])(x),
+        jax.make_jaxpr(found[1])(source, x),
+        jax.make_jaxpr(found[2])(x, x),
+    ]
+    for program in programs:
+        names = {e.primitive.name for e in program.eqns}
+        assert not {n for n in names if "window" in n or n.startswith("select_and")}, names
 
 
 @pytest.mark.parametrize(

@@ -14,13 +14,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import chip
 from helpers.precision import leaf_errors, torch_value_and_grads
+from jax import lax
 
 import bridge_mr
+from bridge_mr import jax_core
 
 pytestmark = pytest.mark.tpu
 
@@ -214,11 +217,6 @@ def test_packed_max_pools_on_the_chip_choose_as_xlas_windows() -> None:
     """On the chip the packed strategy's max-pool and its gradient are a reshape and a max
     (jax_core._windows): they choose, ties and NaNs included, what XLA's window operations
     choose there (vmap's). Small integers: every product and sum is exact at any precision."""
-    import numpy as np
-    from jax import lax
-
-    from bridge_mr import jax_core
-
     rng = np.random.default_rng(0)
     clients, numbers = 4, ("NCHW", "OIHW", "NCHW")
     x = jnp.asarray(rng.integers(-2, 3, (clients, 2, 3, 8, 8)), jnp.float32)
