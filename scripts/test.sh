@@ -18,6 +18,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 VENV=${BRIDGE_MR_VENV:-.venv}
 
+# Each step's time, so that a log tells where a run's minutes go.
+step_start=$SECONDS
+took() {
+  echo "scripts/test.sh: $1 took $((SECONDS - step_start)) s ($SECONDS s in all)"
+  step_start=$SECONDS
+}
+
 # The environments a fresh clone builds take about 12 GB (.venv 2.6, .venv-notorch 1.1,
 # .venv-xla 7.8); pip's "No space left on device" halfway through says less than the numbers.
 need_mb=0
@@ -36,17 +43,22 @@ fi
 "$VENV"/bin/pip install -q torch==2.13.0
 "$VENV"/bin/pip install -q --force-reinstall --no-deps .
 "$VENV"/bin/pip install -q ".[dev,examples,bench]"
+took "$VENV's set-up"
 "$VENV"/bin/ruff check .
 "$VENV"/bin/ruff format --check .
+took "ruff"
 
 # One pytest leg; exit status 5 (no test selected: `scripts/test.sh tests/jax_core` has no
 # x64-marked tests) is not a failure.
 leg() { env "$@" || [ $? = 5 ]; }
 
 leg "$VENV"/bin/pytest -m "not xla and not x64" "$@"
+took "the main leg"
 leg BRIDGE_MR_X64=1 "$VENV"/bin/pytest -m "x64 and not xla" "$@"
+took "the x64 leg"
 # Types of bridge_mr/ (configured in pyproject.toml), against this environment's torch and jax.
 "$VENV"/bin/basedpyright --pythonpath "$VENV/bin/python"
+took "basedpyright"
 
 # Without torch: the package's dependencies do not pull it in, and bridge_mr.jax_core and Beam
 # (the driver and the Dask workers) run where it is not installed at all.
@@ -58,19 +70,24 @@ if "$NOTORCH"/bin/python -c "import importlib.util as u; raise SystemExit(u.find
   echo "torch is installed in $NOTORCH: a dependency pulled it in" >&2
   exit 1
 fi
+took "$NOTORCH's set-up"
 leg "$NOTORCH"/bin/pytest -m "not xla and not x64" tests/beam/test_dask.py tests/beam/test_maps.py \
   tests/test_imports.py::test_without_torch_plain_jax_runs_and_torch_names_say_how_to_install_it \
   tests/test_imports.py::test_the_installed_package_requires_torch_only_through_its_extras
+took "the no-torch leg"
 
 if [ "${BRIDGE_MR_SKIP_XLA:-0}" != 1 ]; then
   bash scripts/setup_xla_env.sh
+  took ".venv-xla's set-up"
   export PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
   leg .venv-xla/bin/pytest -m "xla and not x64" "$@"
   leg BRIDGE_MR_X64=1 .venv-xla/bin/pytest -m "xla and x64" "$@"
   if [ -d tests/compat ]; then
     leg .venv-xla/bin/pytest -m "not xla and not x64" tests/compat
   fi
+  took "the xla legs (xla, xla x64, compat)"
   # from_torch on torch 2.9 (torchax's lowering differs between torch releases); its own
   # process, apart from the XLA-device tests.
   leg .venv-xla/bin/pytest -m "not xla and not x64" tests/torch_fn
+  took "from_torch on torch 2.9"
 fi
