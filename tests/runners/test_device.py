@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from bridge_mr import dlpack, runners
+from bridge_mr.runners import _dlpack as dlpack_runner
 
 F32 = np.dtype("float32")
 
@@ -46,3 +47,51 @@ def test_host_tensors_run_on_the_cpu_where_jax_default_device_is_a_cpu():
     with jax.default_device(jax.devices("cpu")[1]):
         assert dlpack.host_program_device() is None
     assert dlpack.host_device() == jax.devices("cpu")[0]
+
+
+def test_large_inputs_whose_shape_a_tpu_would_pad_cross_as_dense_2d_arrays(monkeypatch):
+    """Images [.., 3, 32, 32] would cross in padded (8, 128) tiles on a TPU: they cross as
+    [size / 1024, 1024] and the program reshapes them back; dense or small inputs cross as
+    they are. Values stay exact, also for a permuted (non-contiguous) tensor."""
+    device = jax.devices("cpu")[1]
+    shapes = [(96, 3, 32, 32), (8, 128), (128, 256)]  # 1.1 MiB of images: above 1 MiB
+    avals = [(s, F32) for s in shapes]
+
+    def program(images, w, dense):
+        return [images.sum(axis=(1, 2)) @ dense[:32, :8] + w.sum(), images[:, 2] * 2]
+
+    run = runners.runner_for("cpu", jax.jit(program), avals, 2, None, device=device)
+    crossed = []
+    device_put = jax.device_put
+
+    def spy(x, *args, **kwargs):
+        crossed.append([getattr(a, "shape", None) for a in jax.tree.leaves(x)])
+        return device_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    gen = torch.Generator().manual_seed(0)
+    for contiguous in (True, False):
+        images = torch.randn(96, 3, 32, 32, generator=gen)
+        if not contiguous:
+            images = torch.randn(96, 32, 32, 3, generator=gen).permute(0, 3, 1, 2)
+        w, dense = torch.randn(8, 128, generator=gen), torch.randn(128, 256, generator=gen)
+        crossed.clear()
+        out, _ = run([images, w, dense], [])
+        want = program(images.numpy(), w.numpy(), dense.numpy())
+        np.testing.assert_allclose(out[0].numpy(), want[0], rtol=1e-5, atol=1e-4)
+        assert torch.equal(out[1], images[:, 2] * 2)
+        assert (96 * 3 * 32 * 32 // 1024, 1024) in crossed[0]
+        assert (128, 256) in crossed[0]  # dense already: as it is
+
+
+def test_the_dense_crossing_shape_of_an_input():
+    f32, bf16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
+    assert dlpack_runner.crossing_shape((50, 5, 10, 3, 32, 32), f32) == (7500, 1024)
+    assert dlpack_runner.crossing_shape((1 << 18,), f32) == (256, 1024)  # 1-D
+    assert dlpack_runner.crossing_shape((300, 10, 128), f32) == (375, 1024)  # 10 rows: padded
+    assert dlpack_runner.crossing_shape((100, 8, 384), f32) is None  # dense tiles
+    assert dlpack_runner.crossing_shape((200, 8, 640), bf16) == (1000, 1024)  # bf16: 16 rows
+    assert dlpack_runner.crossing_shape((3, 32, 32), f32) is None  # small: as it is
+    assert dlpack_runner.crossing_shape((262147,), f32) is None  # no width divides it
+    assert dlpack_runner.crossing_shape((1031, 2, 128), f32) == (1031, 256)  # 1031 is odd
+    assert dlpack_runner.crossing_shape((2049, 128), f32) is None  # no better shape
