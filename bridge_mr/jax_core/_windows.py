@@ -36,6 +36,9 @@ from jax.extend import core
 #: The pools' primitive names and the selection each one's windows make.
 _CHOOSERS = types.MappingProxyType({"reduce_window_max": lax.ge_p, "reduce_window_min": lax.le_p})
 _SELECTS = ("select_and_scatter_add", "select_and_gather_add")
+#: The selections lowered (the only ones JAX's window functions make), each with its window's
+#: start: the identity of the max (`ge`) or min (`le`). Another selection keeps the primitive.
+_STARTS = types.MappingProxyType({lax.ge_p: -float("inf"), lax.le_p: float("inf")})
 
 
 def lowering(eqn: core.JaxprEqn) -> Callable[..., Any] | None:
@@ -58,6 +61,8 @@ def lowering(eqn: core.JaxprEqn) -> Callable[..., Any] | None:
         return None
     if name in _CHOOSERS:
         return functools.partial(_pool, select=_CHOOSERS[name], windows=windows)
+    if params["select_prim"] not in _STARTS:
+        return None
     if name == "select_and_scatter_add":
         return functools.partial(_scatter, select=params["select_prim"], windows=windows)
     return functools.partial(_gather, select=params["select_prim"], windows=windows)
@@ -104,8 +109,7 @@ def _chosen(
 def _gather(tangent: Any, operand: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any:
     """`select_and_gather_add`: each window's `tangent` at the element `operand` chooses (zero
     where it chooses none)."""
-    start = -float("inf") if select is lax.ge_p else float("inf")
-    chosen, split = _chosen(operand, select, windows, start), _split(tangent, windows)
+    chosen, split = _chosen(operand, select, windows, _STARTS[select]), _split(tangent, windows)
     out = jnp.zeros(chosen.shape, tangent.dtype)
     for i, position in enumerate(_positions(windows)):
         out = jnp.where(chosen == i, _at(split, position), out)
@@ -126,9 +130,8 @@ def _scatter(source: Any, operand: Any, select: core.Primitive, windows: tuple[i
 
 def _window_pool(x: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any:
     """The pool as XLA's window operation (`reduce_window_max` / `_min`)."""
-    if select is lax.ge_p:
-        return lax.reduce_window(x, -jnp.inf, lax.max, windows, windows, "VALID")
-    return lax.reduce_window(x, jnp.inf, lax.min, windows, windows, "VALID")
+    start = _STARTS[select]
+    return lax.reduce_window(x, start, lax.max if start < 0 else lax.min, windows, windows, "VALID")
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -136,7 +139,7 @@ def _pool(operand: Any, select: core.Primitive, windows: tuple[int, ...]) -> Any
     """`reduce_window_max` / `_min`: each window's max (or min)."""
     split = _split(operand, windows)
     axes = tuple(range(1, split.ndim, 2))
-    return split.max(axis=axes) if select is lax.ge_p else split.min(axis=axes)
+    return split.max(axis=axes) if _STARTS[select] < 0 else split.min(axis=axes)
 
 
 @_pool.defjvp

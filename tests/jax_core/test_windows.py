@@ -160,3 +160,17 @@ def test_an_integer_pool_keeps_the_primitive():
     windows = (1, 1, 2, 2)
     pool = _eqn(lambda x: lax.reduce_window(x, -(2**31), lax.max, windows, windows, "VALID"), x)
     assert _windows.lowering(pool) is None
+
+
+def test_a_window_primitive_with_another_selection_keeps_the_primitive():
+    """JAX's window functions select with `ge` or `le` only; another selection (bound through
+    JAX's private function) is not lowered."""
+    from jax._src.lax import windowed_reductions as wr  # private: the only way to bind one
+
+    windows, padding = (1, 1, 2, 2), ((0, 0),) * 4
+    x, source = jnp.ones((2, 3, 4, 6)), jnp.ones((2, 3, 2, 3))
+
+    def scatter(source, x):
+        return wr._select_and_scatter_add(source, x, lax.gt_p, windows, windows, padding)
+
+    assert _windows.lowering(_eqn(scatter, source, x)) is None
