@@ -62,7 +62,9 @@ def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, j
             moved[name] = jax.device_put(value, device)
             continue
         try:
-            shared = dlpack.to_jax(value.detach().cpu())
+            # Row-major first: shared in its own layout, a permuted tensor (NHWC stored, NCHW
+            # seen) became an array whose device_put copy jaxlib 0.10.2 computed on wrongly.
+            shared = dlpack.to_jax(value.detach().cpu().contiguous())
         except (TypeError, ValueError) as error:
             # to_jax names a lone tensor "tree"; here it is the dataset's field.
             detail = str(error).removeprefix(_ROOT)

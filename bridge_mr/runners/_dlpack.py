@@ -28,8 +28,9 @@ from ._staging import Staging, staging_for
 _PACK_BYTES = 64 * 1024
 
 # Inputs of at least this size that cross to an accelerator cross as a dense 2-D array when
-# their own shape would not be dense there (`crossing_shape`).
+# their own shape would be padded there by at least `_DENSE_PADDING` (`crossing_shape`).
 _DENSE_BYTES = 1 << 20
+_DENSE_PADDING = 1.25
 # The widths such an input may take, widest first: a multiple of a TPU tile's 128 lanes.
 _DENSE_WIDTHS = (1024, 512, 256, 128)
 
@@ -67,11 +68,13 @@ def crossing_shape(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int] |
 
     A TPU holds an array in tiles of 8 rows (16 for 2-byte, 32 for 1-byte dtypes) by 128
     lanes over its last two dimensions, and a host-to-device copy writes the padded tiles: CNN
-    images [clients, steps, batch, 3, 32, 32] took 12.2 ms for 30.7 MB on a v5e, the same bytes
-    as [30000, 1024] 5.2 ms (docs/tpu.md). Such an input crosses as [size / width, width] (a
-    host view where the tensor is contiguous) and the program reshapes it back on the device.
-    Elsewhere (a GPU, a CPU device) the reshape is free, so the rule does not depend on the
-    device.
+    images f32[50, 5, 10, 3, 32, 32] (30.7 MB, 4x padded) took 12.9 ms to cross to a v5e, the
+    same bytes as [7500, 1024] 5.3 ms and as one 1-D array 7.4 ms (docs/tpu.md). An input
+    padded by a quarter or more, or 1-D, crosses as [size / width, width] and the program
+    reshapes it back on the device. On a TPU that reshape is a copy on the chip (about twice
+    the input's bytes of its memory traffic), so an input padded less (GPT-2's f32[50257, 768]
+    by 7 rows) crosses as it is. Elsewhere (a GPU, a CPU device) the reshape is free, so the
+    rule does not depend on the device.
 
     Example:
       >>> crossing_shape((50, 5, 10, 3, 32, 32), np.dtype("float32"))
@@ -82,9 +85,11 @@ def crossing_shape(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int] |
     size = math.prod(shape)
     if size * dtype.itemsize < _DENSE_BYTES:
         return None
-    rows = 8 * max(1, 4 // dtype.itemsize)
-    if len(shape) >= 2 and shape[-1] % 128 == 0 and shape[-2] % rows == 0:
-        return None
+    if len(shape) >= 2:
+        rows = 8 * max(1, 4 // dtype.itemsize)
+        tiles = -(-shape[-2] // rows) * rows * -(-shape[-1] // 128) * 128
+        if math.prod(shape[:-2]) * tiles < _DENSE_PADDING * size:
+            return None
     for width in _DENSE_WIDTHS:
         if size % width == 0:
             return None if shape == (size // width, width) else (size // width, width)
@@ -218,12 +223,28 @@ class DlpackRunner:
                 for i in group:
                     members.append(tensors[i])
                 crossing.append(torch_compat.flatten_dense_tensors(members))
-        dense = self._dense
-        for i in self._singles:
-            if i in dense:
-                crossing.append(tensors[i].detach().reshape(dense[i]))
-            else:
+        if self._device is None:
+            for i in self._singles:
                 crossing.append(tensors[i])
+        else:
+            dense = self._dense
+            for i in self._singles:
+                tensor = tensors[i]
+                if not tensor.is_contiguous():
+                    # Row-major on the host first (the input is copied to the device anyway):
+                    # shared in its own layout, a permuted tensor became an array that jaxlib
+                    # 0.10.2 computed on wrongly once put on another device.
+                    tensor = tensor.detach().contiguous()
+                if i in dense:
+                    shape = self._in_avals[i][0]
+                    if tensor.shape != shape:
+                        raise ValueError(
+                            f"{self._single_names[self._singles.index(i)]}: expected a tensor "
+                            f"of shape {shape}, got {tuple(tensor.shape)}. Fix: pass the "
+                            f"tensors the runner was made for."
+                        )
+                    tensor = tensor.detach().view(dense[i])
+                crossing.append(tensor)
         if staged is None:
             arrays = jit_arguments(crossing, names=self._crossing_names)
         elif crossing:

@@ -136,3 +136,19 @@ def test_fields_are_copied_so_later_changes_to_the_tensors_stay_out():
     on_jax = dataset.to(jax.devices("cpu")[0])  # to_jax shares the tensor's memory; not this
     dataset.examples["x"] += 1.0
     assert float(np.abs(np.asarray(on_jax.examples["x"])).max()) == 0.0
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_a_permuted_field_gathers_its_own_values(device):
+    """Images stored NHWC and seen NCHW (a permuted tensor): its rounds on the JAX device, and
+    a computation on them, equal the torch dataset's (jaxlib 0.10.2 computed on a permuted
+    array's device_put copy as if row-major)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 6, 6, 3, generator=g).permute(0, 3, 1, 2)
+    train = fd.FederatedDataset.from_tensors({"x": x}, fd.IID(4))
+    on_jax = train.to(jax.devices("cpu")[device])
+    want = train.round(batch_size=5, steps=1, generator=torch.Generator().manual_seed(1))
+    found = on_jax.round(batch_size=5, steps=1, generator=torch.Generator().manual_seed(1))
+    np.testing.assert_array_equal(np.asarray(found.batches["x"]), want.batches["x"].numpy())
+    doubled = jax.jit(lambda a: a[:, 2] * 2)(on_jax.examples["x"])
+    np.testing.assert_array_equal(np.asarray(doubled), train.examples["x"][:, 2].numpy() * 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from bridge_mr import dlpack, runners
@@ -50,9 +51,11 @@ def test_host_tensors_run_on_the_cpu_where_jax_default_device_is_a_cpu():
 
 
 def test_large_inputs_whose_shape_a_tpu_would_pad_cross_as_dense_2d_arrays(monkeypatch):
-    """Images [.., 3, 32, 32] would cross in padded (8, 128) tiles on a TPU: they cross as
-    [size / 1024, 1024] and the program reshapes them back; dense or small inputs cross as
-    they are. Values stay exact, also for a permuted (non-contiguous) tensor."""
+    """Images [.., 3, 32, 32] would cross in padded (8, 128) tiles on a TPU: they cross as a
+    [size / 1024, 1024] view (of a row-major copy where they are not contiguous: permuted,
+    expanded) and the program reshapes them back; dense or small inputs cross as they are.
+    Values stay exact whichever way the images came, call after call; a tensor of another
+    shape is refused, named."""
     device = jax.devices("cpu")[1]
     shapes = [(96, 3, 32, 32), (8, 128), (128, 256)]  # 1.1 MiB of images: above 1 MiB
     avals = [(s, F32) for s in shapes]
@@ -70,18 +73,36 @@ def test_large_inputs_whose_shape_a_tpu_would_pad_cross_as_dense_2d_arrays(monke
 
     monkeypatch.setattr(jax, "device_put", spy)
     gen = torch.Generator().manual_seed(0)
-    for contiguous in (True, False):
-        images = torch.randn(96, 3, 32, 32, generator=gen)
-        if not contiguous:
-            images = torch.randn(96, 32, 32, 3, generator=gen).permute(0, 3, 1, 2)
+    forms = {
+        "contiguous": lambda: torch.randn(96, 3, 32, 32, generator=gen),
+        "permuted": lambda: torch.randn(96, 32, 32, 3, generator=gen).permute(0, 3, 1, 2),
+        "expanded": lambda: torch.randn(1, 3, 32, 32, generator=gen).expand(96, 3, 32, 32),
+    }
+    for form in ("contiguous", "permuted", "expanded", "contiguous"):
+        images = forms[form]()
         w, dense = torch.randn(8, 128, generator=gen), torch.randn(128, 256, generator=gen)
         crossed.clear()
         out, _ = run([images, w, dense], [])
         want = program(images.numpy(), w.numpy(), dense.numpy())
         np.testing.assert_allclose(out[0].numpy(), want[0], rtol=1e-5, atol=1e-4)
         assert torch.equal(out[1], images[:, 2] * 2)
-        assert (96 * 3 * 32 * 32 // 1024, 1024) in crossed[0]
+        assert (96 * 3 * 32 * 32 // 1024, 1024) in crossed[0], form
         assert (128, 256) in crossed[0]  # dense already: as it is
+    wrong = torch.zeros(48, 6, 32, 32)  # as many elements, another shape
+    with pytest.raises(ValueError, match=r"tensors\[0\]: expected a tensor of shape"):
+        run([wrong, w, dense], [])
+
+
+def test_a_permuted_input_computes_right_on_another_device():
+    """A permuted (NHWC stored, NCHW seen) input crosses row-major: shared in its own layout
+    and put on another device, jaxlib 0.10.2 computed on it as if row-major."""
+    device = jax.devices("cpu")[1]
+    run = runners.runner_for(
+        "cpu", jax.jit(lambda x: [x[:, 2] * 2]), [((8, 3, 16, 16), F32)], 1, None, device=device
+    )
+    images = torch.randn(8, 16, 16, 3).permute(0, 3, 1, 2)
+    for _ in range(2):
+        assert torch.equal(run([images], [])[0][0], images[:, 2] * 2)
 
 
 def test_the_dense_crossing_shape_of_an_input():
@@ -94,4 +115,7 @@ def test_the_dense_crossing_shape_of_an_input():
     assert dlpack_runner.crossing_shape((3, 32, 32), f32) is None  # small: as it is
     assert dlpack_runner.crossing_shape((262147,), f32) is None  # no width divides it
     assert dlpack_runner.crossing_shape((1031, 2, 128), f32) == (1031, 256)  # 1031 is odd
-    assert dlpack_runner.crossing_shape((2049, 128), f32) is None  # no better shape
+    assert dlpack_runner.crossing_shape((2049, 128), f32) is None  # 7 rows: padded by 0.3%
+    assert dlpack_runner.crossing_shape((50257, 768), f32) is None  # GPT-2's wte: by 0.01%
+    assert dlpack_runner.crossing_shape((1000, 1000), f32) is None  # 1,024 lanes: by 2.4%
+    assert dlpack_runner.crossing_shape((4000, 100), f32) == (3125, 128)  # 100 lanes of 128

@@ -51,7 +51,9 @@ def test_the_chip_is_where_host_tensors_run() -> None:
         assert bridge_mr.dlpack.host_program_device() is None
 
 
-def test_large_images_cross_to_the_chip_as_dense_arrays_and_keep_their_values() -> None:
+def test_large_images_cross_to_the_chip_as_dense_arrays_and_keep_their_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Images [clients, batch, 3, 32, 32] of 1.6 MB cross as [size / 1024, 1024]
     (`runners._dlpack.crossing_shape`) and are reshaped on the chip: the loss and gradients,
     the images' included, equal a float64 torch loop's, also for a permuted tensor. A rational
@@ -66,6 +68,14 @@ def test_large_images_cross_to_the_chip_as_dense_arrays_and_keep_their_values() 
         s = (batch["x"] * server["w"]).sum(dim=(2, 3, 4)) / 32
         return (s / (1 + s * s)).mean()
 
+    crossed: list[Any] = []
+    device_put = jax.device_put
+
+    def spy(x: Any, *args: Any, **kwargs: Any) -> Any:
+        crossed.extend(getattr(a, "shape", None) for a in jax.tree.leaves(x))
+        return device_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", spy)
     g = torch.Generator().manual_seed(0)
     server = {"w": torch.randn(3, 32, 32, generator=g)}
     for images in (
@@ -74,8 +84,10 @@ def test_large_images_cross_to_the_chip_as_dense_arrays_and_keep_their_values() 
     ):
         want_value, want = torch_value_and_grads(torch_loss, server, {"x": images})
         leaves = {"w": server["w"].clone().requires_grad_(), "x": images.clone().requires_grad_()}
+        crossed.clear()
         loss = bridge_mr.map_reduce(client, {"w": leaves["w"]}, {"x": leaves["x"]})
         loss.backward()
+        assert (8 * 16 * 3 * 32 * 32 // 1024, 1024) in crossed, crossed
         assert abs(loss.item() - want_value) <= 1e-5 * abs(want_value)
         errors = leaf_errors({k: v.grad for k, v in leaves.items()}, want)
         assert max(errors.values()) <= 1e-5, errors
