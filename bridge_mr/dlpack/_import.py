@@ -94,7 +94,10 @@ def to_jax(tree: Any, *, allow_x64_downcast: bool = False) -> Any:
     compact (contiguous, or a permutation of contiguous) and its start is
     64-byte aligned; otherwise the tensor is copied once and the copy is counted
     (`count_conversions`). See the module docstring for how long a shared-memory array stays
-    valid.
+    valid. A permuted tensor (`x.t()`, NHWC memory seen as NCHW) becomes an array in that
+    layout, which computes right where it is; but jaxlib 0.10.2 computed on its copies made by
+    `jax.device_put` (to another device, or with `may_alias=False`) as if they were row-major:
+    pass `x.contiguous()` for an array you will move.
 
     While JAX's 64-bit mode is off, an int64 / uint64 tensor becomes an int32 / uint32 array:
     one min / max reduction checks that its values fit, then one counted copy narrows it (a
