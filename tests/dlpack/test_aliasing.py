@@ -111,3 +111,18 @@ def test_export_of_an_in_flight_result_sees_the_final_values() -> None:
     for _ in range(3):
         (tensor,) = dlpack.export_arrays([slow(matrix)])
         np.testing.assert_array_equal(tensor.numpy(), expected)
+
+
+def test_a_permuted_tensors_array_computes_right_and_its_moved_copy_as_documented() -> None:
+    """A permuted tensor shares its memory as an array in its layout, which computes right; on
+    jaxlib 0.10.2 a `jax.device_put` copy of it (`may_alias=False`) computed as if row-major,
+    as `to_jax`'s docstring warns. Strict: a jaxlib that fixes it fails this test, so that the
+    warning goes."""
+    tensor = torch.arange(2 * 4 * 5 * 3, dtype=torch.float32).reshape(2, 4, 5, 3)
+    seen = tensor.permute(0, 3, 1, 2)  # NHWC memory, NCHW seen
+    array = dlpack.to_jax(seen)
+    want = seen.numpy() * 2
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a * 2)(array)), want)
+    moved = jax.device_put(array, may_alias=False)
+    wrong = not np.array_equal(np.asarray(jax.jit(lambda a: a * 2)(moved)), want)
+    assert wrong, "jaxlib now computes right on the moved copy: drop the to_jax warning"
