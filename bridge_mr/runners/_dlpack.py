@@ -228,7 +228,7 @@ class DlpackRunner:
                 crossing.append(tensors[i])
         else:
             dense = self._dense
-            for i in self._singles:
+            for k, i in enumerate(self._singles):
                 tensor = tensors[i]
                 if not tensor.is_contiguous():
                     # Row-major on the host first (the input is copied to the device anyway):
@@ -239,7 +239,7 @@ class DlpackRunner:
                     shape = self._in_avals[i][0]
                     if tensor.shape != shape:
                         raise ValueError(
-                            f"{self._single_names[self._singles.index(i)]}: expected a tensor "
+                            f"{self._single_names[k]}: expected a tensor "
                             f"of shape {shape}, got {tuple(tensor.shape)}. Fix: pass the "
                             f"tensors the runner was made for."
                         )

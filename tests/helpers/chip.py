@@ -7,13 +7,29 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import pytest
 import torch
 
 import bridge_mr
 
 from . import zoo
 from .precision import leaf_errors, torch_value_and_grads
+
+
+def crossed_shapes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """A list that collects the shape of every array `jax.device_put` is given from now on (for
+    the rest of the test): what host tensors cross to a device as."""
+    crossed: list[Any] = []
+    device_put = jax.device_put
+
+    def spy(x: Any, *args: Any, **kwargs: Any) -> Any:
+        crossed.extend(getattr(a, "shape", None) for a in jax.tree.leaves(x))
+        return device_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    return crossed
 
 
 # The activation is rational, not tanh: the chip's transcendental functions are accurate to

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import chip
 
 from bridge_mr import dlpack, runners
 from bridge_mr.runners import _dlpack as dlpack_runner
@@ -64,14 +65,7 @@ def test_large_inputs_whose_shape_a_tpu_would_pad_cross_as_dense_2d_arrays(monke
         return [images.sum(axis=(1, 2)) @ dense[:32, :8] + w.sum(), images[:, 2] * 2]
 
     run = runners.runner_for("cpu", jax.jit(program), avals, 2, None, device=device)
-    crossed = []
-    device_put = jax.device_put
-
-    def spy(x, *args, **kwargs):
-        crossed.append([getattr(a, "shape", None) for a in jax.tree.leaves(x)])
-        return device_put(x, *args, **kwargs)
-
-    monkeypatch.setattr(jax, "device_put", spy)
+    crossed = chip.crossed_shapes(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     forms = {
         "contiguous": lambda: torch.randn(96, 3, 32, 32, generator=gen),
@@ -86,8 +80,8 @@ def test_large_inputs_whose_shape_a_tpu_would_pad_cross_as_dense_2d_arrays(monke
         want = program(images.numpy(), w.numpy(), dense.numpy())
         np.testing.assert_allclose(out[0].numpy(), want[0], rtol=1e-5, atol=1e-4)
         assert torch.equal(out[1], images[:, 2] * 2)
-        assert (96 * 3 * 32 * 32 // 1024, 1024) in crossed[0], form
-        assert (128, 256) in crossed[0]  # dense already: as it is
+        assert (96 * 3 * 32 * 32 // 1024, 1024) in crossed, form
+        assert (128, 256) in crossed  # dense already: as it is
     wrong = torch.zeros(48, 6, 32, 32)  # as many elements, another shape
     with pytest.raises(ValueError, match=r"tensors\[0\]: expected a tensor of shape"):
         run([wrong, w, dense], [])
