@@ -12,7 +12,8 @@
 #             128 clients medium and 128 highest: bridge_mr, pure JAX
 #   cache     the on-disk compile cache: the CNN round's first round in a fresh process twice
 #             (and a third under cProfile: $OUT/cache_third.prof); then twice more with JAX's
-#             runtime started before the round, timed apart
+#             runtime started before the round, timed apart ($CACHE_ALT=pure_jax: the same
+#             pairs for pure JAX with JAX's persistent compilation cache)
 #   convs     issue 42's rows: the CNN round's per-client convolutions grouped or as matrix
 #             products, 50 / 500 / 2000 clients, medium and highest, in one process
 #             (benchmarks/studies/bench_conv_lowering.py --profile: each variant's device ops too;
@@ -29,7 +30,8 @@
 #             bridge_mr_resident (client data on the chip as JAX arrays), pure JAX
 #   call      the tiny call's time and its host-side profile: bridge_mr beside pure JAX with and
 #             without host transfers (benchmarks/studies/profile_call.py), highest precision
-#   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds, as they come
+#   raw:ALTERNATIVE:MODEL:CLIENTS:PRECISION  one worker's first round and 3 rounds ($RAW_ROUNDS),
+#             as they come, within $RAW_S seconds (default 120)
 #             (ALTERNATIVE *_torchtpu: on TorchTPU's "tpu" tensors, once scripts/torch_tpu_setup.sh
 #             is ready)
 #   ttprof:MODEL:CLIENTS:PRECISION  the round on TorchTPU tensors timed in parts, its programs
@@ -58,29 +60,37 @@ bench() {  # bench NAME SECONDS ARGS...: one benchmarks run, its workers ended w
 }
 
 cache() {  # the CNN round's first round in a fresh process, twice, sharing one cache folder
-  local folder
+  # ($CACHE_ALT: the alternative, default bridge_mr; pure_jax caches through JAX's own
+  # persistent compilation cache, JAX_COMPILATION_CACHE_DIR, as its users would set it)
+  local alt=${CACHE_ALT:-bridge_mr} folder
   folder=$(mktemp -d)
-  local spec='{"workload": "accelerator", "alternative": "bridge_mr", "save": "/tmp/cache.npz",
-    "config": {"model": "cnn", "clients": 50, "steps": 5, "batch": 10, "device": "tpu"}}'
+  local spec="{\"workload\": \"accelerator\", \"alternative\": \"$alt\", \"save\": \"/tmp/cache.npz\",
+    \"config\": {\"model\": \"cnn\", \"clients\": 50, \"steps\": 5, \"batch\": 10, \"device\": \"tpu\"}}"
+  local process jaxdir=()  # bridge_mr's own cache stands aside when JAX's is configured
+  [ "$alt" = bridge_mr ] || jaxdir=(JAX_COMPILATION_CACHE_DIR="$folder/jax")
   for process in first second; do
-    echo quit | BRIDGE_MR_CACHE_DIR=$folder timeout -k 10 240 python3 -m benchmarks.workers.users \
-      "$spec" 2>&1 | grep -E '"event": "ready"|Error' | sed "s/^/tpu_bench: cache: $process process: /" \
-      | tee -a "$OUT/bench_cache.txt"
+    echo quit | env BRIDGE_MR_CACHE_DIR="$folder" "${jaxdir[@]}" timeout -k 10 240 \
+      python3 -m benchmarks.workers.users "$spec" 2>&1 | grep -E '"event": "ready"|Error' \
+      | sed "s/^/tpu_bench: cache $alt: $process process: /" | tee -a "$OUT/bench_cache.txt"
   done
   # The same pair in a fresh folder with JAX's runtime started before the round (timed apart,
   # "backend_s"): the first round without the runtime's start, which any JAX program pays.
   local started=$(mktemp -d)
+  [ "$alt" = bridge_mr ] || jaxdir=(JAX_COMPILATION_CACHE_DIR="$started/jax")
   for process in first second; do
-    echo quit | BRIDGE_MR_CACHE_DIR=$started timeout -k 10 240 python3 -m benchmarks.workers.users \
-      "${spec%\}}, \"start_backend\": true}" 2>&1 | grep -E '"event": "ready"|Error' \
-      | sed "s/^/tpu_bench: cache, runtime started first: $process process: /" \
+    echo quit | env BRIDGE_MR_CACHE_DIR="$started" "${jaxdir[@]}" \
+      timeout -k 10 240 python3 -m benchmarks.workers.users "${spec%\}}, \"start_backend\": true}" \
+      2>&1 | grep -E '"event": "ready"|Error' \
+      | sed "s/^/tpu_bench: cache $alt, runtime started first: $process process: /" \
       | tee -a "$OUT/bench_cache.txt"
   done
   rm -rf "$started"
-  # A third process under cProfile (its time not reported: the profiler slows it), for where
-  # a cached first round's time goes: $OUT/cache_third.prof (python -m pstats).
-  echo quit | BRIDGE_MR_CACHE_DIR=$folder timeout -k 10 240 python3 -m cProfile \
-    -o "$OUT/cache_third.prof" -m benchmarks.workers.users "$spec" >/dev/null 2>&1
+  # A third bridge_mr process under cProfile (its time not reported: the profiler slows it), for
+  # where a cached first round's time goes: $OUT/cache_third.prof (python -m pstats).
+  if [ "$alt" = bridge_mr ]; then
+    echo quit | BRIDGE_MR_CACHE_DIR=$folder timeout -k 10 240 python3 -m cProfile \
+      -o "$OUT/cache_third.prof" -m benchmarks.workers.users "$spec" >/dev/null 2>&1
+  fi
   rm -rf "$folder"
 }
 
@@ -95,7 +105,9 @@ raw() {  # raw ALTERNATIVE MODEL CLIENTS PRECISION: one worker's events as they 
   elif [[ $1 == torch* ]]; then
     env=(JAX_PLATFORMS=cpu)
   fi
-  printf 'round\nround\nround\nquit\n' | env "${env[@]}" timeout -k 5 "${RAW_S:-120}" python3 \
+  local commands
+  commands="$(printf 'round\n%.0s' $(seq "${RAW_ROUNDS:-3}"))"$'\n'quit
+  echo "$commands" | env "${env[@]}" timeout -k 5 "${RAW_S:-120}" python3 \
     -m benchmarks.workers.users "$spec" 2>&1 | grep -E '"event"|Error' \
     | sed "s/^/tpu_bench: raw $1 $2 c$3 $4: /" | tee -a "$OUT/bench_raw.txt"
 }
