@@ -27,8 +27,9 @@ from ._staging import Staging, staging_for
 # than copying a small one (benchmarks/results/NOTES.md, "packing").
 _PACK_BYTES = 64 * 1024
 
-# Inputs of at least this size that cross to an accelerator cross as a dense 2-D array when
-# their own shape would be padded there by at least `_DENSE_PADDING` (`crossing_shape`).
+# Inputs and outputs of at least this size that cross between the host and an accelerator cross
+# as a dense 2-D array when their own shape would be padded there by at least `_DENSE_PADDING`
+# (`crossing_shape`).
 _DENSE_BYTES = 1 << 20
 _DENSE_PADDING = 1.25
 # The widths such an input may take, widest first: a multiple of a TPU tile's 128 lanes.
@@ -64,17 +65,20 @@ def _pack_groups(avals: Sequence[Aval]) -> tuple[tuple[tuple[int, ...], ...], tu
 
 
 def crossing_shape(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int] | None:
-    """The 2-D shape a large input crosses to an accelerator in, or None: as it is.
+    """The 2-D shape a large array crosses between the host and an accelerator in, or None.
 
     A TPU holds an array in tiles of 8 rows (16 for 2-byte, 32 for 1-byte dtypes) by 128
-    lanes over its last two dimensions, and a host-to-device copy writes the padded tiles: CNN
-    images f32[50, 5, 10, 3, 32, 32] (30.7 MB, 4x padded) took 12.9 ms to cross to a v5e, the
-    same bytes as [7500, 1024] 5.3 ms and as one 1-D array 7.4 ms (docs/tpu.md). An input
+    lanes over its last two dimensions, and a copy between the host and the chip moves the
+    padded tiles: CNN images f32[50, 5, 10, 3, 32, 32] (30.7 MB, 4x padded) took 12.9 ms to
+    cross to a v5e, the same bytes as [7500, 1024] 5.3 ms and as one 1-D array 7.4 ms; an output
+    of that shape took 7.0 ms to come back, as [7500, 1024] 3.7 ms (docs/tpu.md). An input
     padded by a quarter or more, or 1-D, crosses as [size / width, width] and the program
-    reshapes it back on the device. On a TPU that reshape is a copy on the chip (about twice
-    the input's bytes of its memory traffic), so an input padded less (GPT-2's f32[50257, 768]
-    by 7 rows) crosses as it is. Elsewhere (a GPU, a CPU device) the reshape is free, so the
-    rule does not depend on the device.
+    reshapes it back on the device; such an output is reshaped so in the program and back on
+    the host, where that is a view. On a TPU the reshape is a copy on the chip (about twice the
+    array's bytes of its memory traffic), so an array padded less (GPT-2's f32[50257, 768] by 7
+    rows) crosses as it is; below 1 MiB it always does (a 73 KB kernel 113x padded crossed in
+    0.73 ms as it is, 1.16 ms dense). Elsewhere (a GPU, a CPU device) the reshape is free, so
+    the rule does not depend on the device.
 
     Example:
       >>> crossing_shape((50, 5, 10, 3, 32, 32), np.dtype("float32"))
@@ -112,7 +116,8 @@ class DlpackRunner:
         names joined by " + "; see `runner_for`); default `tensors[i]`.
       device: the JAX device the program runs on, for CPU tensors whose programs run on an
         accelerator (`bridge_mr.dlpack.host_program_device()`): the inputs go there once per
-        call and the exported outputs come back to the CPU. None: where the tensors are.
+        call and the exported outputs come back to the CPU, large padded ones of either as
+        dense 2-D arrays (`crossing_shape`). None: where the tensors are.
     """
 
     def __init__(
@@ -145,9 +150,14 @@ class DlpackRunner:
                 dense = crossing_shape(*self._in_avals[i])
                 if dense is not None:
                     self._dense[i] = dense
+        # Exported outputs that come back from the accelerator as a dense 2-D array: index ->
+        # (shape, dense shape). Known once the first call's inputs are (`_dense_outputs`).
+        self._dense_out: dict[int, tuple[tuple[int, ...], tuple[int, int]]] | None = (
+            None if self._device is not None else {}
+        )
         self._n_exported = n_exported
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        wrap = self._groups or self._replicated is not None or self._dense
+        wrap = self._groups or self._replicated is not None or self._device is not None
         # jax.jit takes compiler options at the top level only: this one.
         self._options = dict(compiler_options) if compiler_options else None
         run = self._unpacking if wrap else jitted
@@ -183,6 +193,10 @@ class DlpackRunner:
         for i, array in zip(self._singles, flat[len(self._groups) : n_in], strict=True):
             arrays[i] = array.reshape(self._in_avals[i][0]) if i in self._dense else array
         outputs = self._jitted(*arrays, *flat[n_in:])
+        if self._dense_out:
+            outputs = list(outputs)
+            for k, (_, dense) in self._dense_out.items():
+                outputs[k] = outputs[k].reshape(dense)
         if self._replicated is None:
             return outputs
         n = self._n_exported
@@ -206,10 +220,32 @@ class DlpackRunner:
             self._staging = staging_for(self._groups, self._in_avals, tensors, device)
         n = self._n_exported
         exported = outputs[:n]
-        if self._host is not None:  # Ran on an accelerator: back to the tensors' CPU.
-            exported = jax.device_put(exported, self._host)
-        # Fresh outputs that only this runner holds, and drops.
-        return export_arrays(exported, sole_owner=True), outputs[n:]
+        if self._host is None:
+            # Fresh outputs that only this runner holds, and drops.
+            return export_arrays(exported, sole_owner=True), outputs[n:]
+        # Ran on an accelerator: back to the tensors' CPU, dense outputs in their own shape.
+        tensors = export_arrays(jax.device_put(exported, self._host), sole_owner=True)
+        for k, (shape, _) in (self._dense_out or {}).items():
+            tensors[k] = tensors[k].view(shape)
+        return tensors, outputs[n:]
+
+    def _dense_outputs(
+        self, arrays: Sequence[Any], carried: Sequence[Any]
+    ) -> dict[int, tuple[tuple[int, ...], tuple[int, int]]]:
+        """Which exported outputs cross back as dense 2-D arrays, from the first call's inputs."""
+        structs: list[Any] = [None] * len(self._in_avals)
+        for group, buffer in zip(self._groups, arrays, strict=False):
+            for i in group:
+                structs[i] = jax.ShapeDtypeStruct(self._in_avals[i][0], buffer.dtype)
+        for i, array in zip(self._singles, arrays[len(self._groups) :], strict=True):
+            structs[i] = jax.ShapeDtypeStruct(self._in_avals[i][0], array.dtype)
+        outputs = jax.eval_shape(self._jitted, *structs, *carried)[: self._n_exported]
+        dense = {}
+        for k, output in enumerate(outputs):
+            shape = crossing_shape(output.shape, np.dtype(output.dtype))
+            if shape is not None:
+                dense[k] = (output.shape, shape)
+        return dense
 
     def _execute(
         self, tensors: Sequence[torch.Tensor], carried: Sequence[Any], staged: Staging | None
@@ -255,6 +291,8 @@ class DlpackRunner:
             arrays = jax.device_put(arrays, self._replicated)
         elif self._device is not None:
             arrays = jax.device_put(arrays, self._device)
+            if self._dense_out is None:  # Before the program is traced: it reshapes them.
+                self._dense_out = self._dense_outputs(arrays, carried)
         if self._compiled_at != self._clears.count:
             self._compiled_at = self._clears.count
             self._folder = _disk.directory()

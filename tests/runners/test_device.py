@@ -87,6 +87,37 @@ def test_large_inputs_whose_shape_a_tpu_would_pad_cross_as_dense_2d_arrays(monke
         run([wrong, w, dense], [])
 
 
+def test_large_outputs_whose_shape_a_tpu_would_pad_come_back_as_dense_2d_arrays(monkeypatch):
+    """An exported output of images' shape is reshaped to [size / 1024, 1024] in the program,
+    comes back so, and is viewed in its own shape on the host (exact values, call after call);
+    small or dense outputs and what stays on the device (carried) keep their shapes."""
+    device = jax.devices("cpu")[1]
+    shape, dense = (96, 3, 32, 32), (96 * 3 * 32 * 32 // 1024, 1024)
+
+    def program(images, w):
+        return [images * 2 + w[0, 0], images.sum(axis=0), w + 1, images - 1]
+
+    avals = [(shape, F32), ((256, 1024), F32)]
+    run = runners.runner_for("cpu", jax.jit(program), avals, 3, None, device=device)
+    crossed = chip.crossed_shapes(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        images, w = torch.randn(shape, generator=gen), torch.randn(256, 1024, generator=gen)
+        crossed.clear()
+        out, carried = run([images, w], [])
+        assert out[0].shape == shape
+        assert out[0].is_contiguous()
+        assert torch.equal(out[0], images * 2 + w[0, 0])
+        torch.testing.assert_close(out[1], images.sum(dim=0), rtol=1e-5, atol=1e-4)  # its order
+        assert torch.equal(out[2], w + 1)
+        assert crossed.count(dense) == 2, crossed  # the images going, the output coming back
+        assert (3, 32, 32) in crossed  # small: as it is
+        assert (256, 1024) in crossed  # dense already: as it is
+        assert carried[0].shape == shape
+        assert carried[0].devices() == {device}
+        assert np.array_equal(np.asarray(carried[0]), images.numpy() - 1)
+
+
 def test_a_permuted_input_computes_right_on_another_device():
     """A permuted (NHWC stored, NCHW seen) input crosses row-major: shared in its own layout
     and put on another device, jaxlib 0.10.2 computed on it as if row-major."""
