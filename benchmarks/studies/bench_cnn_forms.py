@@ -7,7 +7,7 @@ The round is the accelerator case's CNN row (pfl-research's CIFAR10 simple_cnn: 
 conv 32->64, 2x2 max-pool, linear 12,544->128, linear 128->10; 5 local SGD steps of 10 images
 per client, the mean delta added to the server's parameters), written directly in JAX rather
 than through `from_torch`, so that each choice a lowering could make is one flag. A variant is
-FORM:POOL:LAYOUT[:dot]:
+FORM:POOL:LAYOUT[:dot][:uK][:oK]:
 
 * FORM "vmap" (`jax.vmap` over clients: per-client kernels become grouped convolutions),
   "map" (`lax.scan` over clients, one client at a time, as bridge_mr's per_client) or "packG"
@@ -22,7 +22,11 @@ FORM:POOL:LAYOUT[:dot]:
 * an optional ":dot": the first linear layer contracts the pooled activations' channels and
   positions directly (its weights seen as [128, C, H, W]) instead of a flattened copy in torch's
   (C, H, W) order. On the chip, XLA lays the per-client activations out with the batch between
-  positions and channels, so flattening them copies twice a step.
+  positions and channels, so flattening them copies twice a step;
+* an optional ":uK": the scan over a client's local steps unrolled K times (`lax.scan`'s
+  `unroll`; K = the steps: no loop), so XLA may fuse and schedule across steps (one step's
+  update with the next one's use of the weights) instead of paying a loop iteration a step;
+* an optional ":oK": the scan over clients (or groups of G) unrolled K times.
 
 A row is CLIENTS:PRECISION (torch's name: "highest", "high" or "medium"). Per row, each
 variant's first call apart, then `--reps` rounds interleaved; each variant's delta against the
@@ -123,20 +127,34 @@ def init(key: Any) -> dict[str, Any]:
 
 
 def parse_variant(variant: str) -> list[str]:
-    """FORM:POOL:LAYOUT[:dot] as its parts; a ValueError that says what is expected."""
+    """FORM:POOL:LAYOUT[:dot][:uK][:oK] as its parts; a ValueError that says what is expected."""
     parts = variant.split(":")
-    choices = (("vmap", "map"), ("rw", "rs"), ("nchw", "nhwc"), ("dot",))
+    choices = (("vmap", "map"), ("rw", "rs"), ("nchw", "nhwc"))
     packed = re.fullmatch(r"pack([2-9]|[1-9][0-9]+)", parts[0])
+    options = parts[3:]
+    expected = ("dot", "u", "o")  # in this order, each at most once
+    kinds = [o if o == "dot" else o[:1] for o in options]
     if (
-        not 3 <= len(parts) <= 4
+        len(parts) < 3
         or (parts[0] not in choices[0] and not packed)
-        or any(p not in c for p, c in zip(parts[1:], choices[1:], strict=False))
+        or any(p not in c for p, c in zip(parts[1:3], choices[1:], strict=True))
+        or any(o != "dot" and not re.fullmatch(r"[uo][1-9][0-9]*", o) for o in options)
+        or kinds != sorted(set(kinds), key=expected.index)
+        or (parts[0] == "vmap" and "o" in kinds)
     ):
         raise ValueError(
-            f"--variants: expected FORM:POOL:LAYOUT[:dot] (FORM vmap, map or packG with G >= 2) "
-            f"as {VARIANTS[0]}, map:rs:nhwc:dot or pack5:rs:nchw, got {variant!r}"
+            f"--variants: expected FORM:POOL:LAYOUT[:dot][:uK][:oK] (FORM vmap, map or packG "
+            f"with G >= 2; uK: local steps unrolled K times; oK, not with vmap: clients "
+            f"unrolled K times) as {VARIANTS[0]}, map:rs:nhwc:dot or pack2:rs:nchw:u5:o2, got "
+            f"{variant!r}"
         )
     return parts
+
+
+def unrolls(parts: list[str]) -> tuple[int, int]:
+    """The (local steps, clients) unroll factors a parsed variant names; 1 where it names none."""
+    found = {o[0]: int(o[1:]) for o in parts[3:] if o != "dot"}
+    return found.get("u", 1), found.get("o", 1)
 
 
 def group_size(form: str) -> int:
@@ -237,12 +255,15 @@ def make_round(variant: str) -> Callable[..., Any]:
     import jax
     import jax.numpy as jnp
 
-    form, pool_name, layout, *dot = parse_variant(variant)
+    parts = parse_variant(variant)
+    form, pool_name, layout = parts[:3]
+    dot = "dot" in parts[3:]
+    unroll_steps, unroll_clients = unrolls(parts)
     groups = group_size(form)
     if groups > 1:
-        loss = make_packed_loss(groups, pool_name, layout, bool(dot))
+        loss = make_packed_loss(groups, pool_name, layout, dot)
     else:
-        loss = make_loss(pool_name, layout, bool(dot))
+        loss = make_loss(pool_name, layout, dot)
 
     def client(p: Any, xs: Any, ys: Any) -> Any:
         """One client's (or, packed, one group's: [G, steps, ...]) summed deltas."""
@@ -254,7 +275,8 @@ def make_round(variant: str) -> Callable[..., Any]:
             g = jax.grad(loss)(q, *batch)
             return jax.tree.map(lambda a, d: a - LR * d, q, g), None
 
-        deltas = jax.tree.map(jnp.subtract, jax.lax.scan(step, p, (xs, ys))[0], p)
+        trained = jax.lax.scan(step, p, (xs, ys), unroll=unroll_steps)[0]
+        deltas = jax.tree.map(jnp.subtract, trained, p)
         return jax.tree.map(lambda a: a.sum(0), deltas) if groups > 1 else deltas
 
     @jax.jit
@@ -271,7 +293,8 @@ def make_round(variant: str) -> Callable[..., Any]:
             def add(total: Any, batch: Any) -> tuple[Any, None]:
                 return jax.tree.map(jnp.add, total, client(p, *batch)), None
 
-            total = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, p), batches)[0]
+            zeros = jax.tree.map(jnp.zeros_like, p)
+            total = jax.lax.scan(add, zeros, batches, unroll=unroll_clients)[0]
             delta = jax.tree.map(lambda a: a / clients, total)
         return jax.tree.map(jnp.add, p, delta)
 

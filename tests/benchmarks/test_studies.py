@@ -184,7 +184,8 @@ def test_bench_cnn_forms_packed_clients_get_each_their_own_gradient(
 def test_bench_cnn_forms_packed_round_is_the_per_client_round_in_float64() -> None:
     """Two groups of two clients, each client its own images and its own steps in order, the
     mean over all four: the round of one client at a time (in float32 a ReLU input or a
-    max-pool tie that rounds the other way moves them apart by up to ~1e-3: compare in float64)."""
+    max-pool tie that rounds the other way moves them apart by up to ~1e-3: compare in float64),
+    with the local steps and the clients' loop unrolled too."""
     import jax
     import jax.numpy as jnp
 
@@ -194,7 +195,7 @@ def test_bench_cnn_forms_packed_round_is_the_per_client_round_in_float64() -> No
     images = rng.standard_normal((4, 2, 3, 3, 32, 32))  # clients, steps, batch, C, H, W
     labels = rng.integers(0, 10, (4, 2, 3)).astype(np.int32)
     want = jax.jit(study.make_round("map:rs:nchw"))(server, images, labels)
-    for variant in ("pack2:rs:nchw", "pack4:rs:nhwc:dot"):
+    for variant in ("pack2:rs:nchw", "pack4:rs:nhwc:dot", "pack2:rs:nchw:u2:o2", "map:rs:nchw:o3"):
         got = jax.jit(study.make_round(variant))(server, images, labels)
         deltas = [jax.tree.map(jnp.subtract, r, server) for r in (got, want)]
         assert_leaves_close(*deltas, 1e-11, variant)
@@ -227,7 +228,12 @@ def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.Capt
         "l1",
         "l2",
     }
-    for wrong in (["--variants", "vmap:rw"], ["--variants", "pack1:rs:nchw"]):
+    for wrong in (
+        ["--variants", "vmap:rw"],
+        ["--variants", "pack1:rs:nchw"],
+        ["--variants", "pack2:rs:nchw:o2:u5"],  # u before o
+        ["--variants", "vmap:rs:nchw:o2"],  # no loop over clients to unroll
+    ):
         with pytest.raises(SystemExit):
             study.main(wrong)
     capsys.readouterr()
