@@ -195,7 +195,13 @@ class DlpackRunner:
         outputs = self._jitted(*arrays, *flat[n_in:])
         if self._dense_out:
             outputs = list(outputs)
-            for k, (_, dense) in self._dense_out.items():
+            for k, (shape, dense) in self._dense_out.items():
+                if outputs[k].shape != shape:
+                    raise ValueError(
+                        f"outputs[{k}]: the runner's first call made it {shape}, this call "
+                        f"{outputs[k].shape}. Fix: pass tensors of the shapes the runner was made "
+                        f"for."
+                    )
                 outputs[k] = outputs[k].reshape(dense)
         if self._replicated is None:
             return outputs
@@ -226,7 +232,13 @@ class DlpackRunner:
         # Ran on an accelerator: back to the tensors' CPU, dense outputs in their own shape.
         tensors = export_arrays(jax.device_put(exported, self._host), sole_owner=True)
         for k, (shape, _) in (self._dense_out or {}).items():
-            tensors[k] = tensors[k].view(shape)
+            # The same memory in its shape, not a view: torch refuses in-place changes to a view
+            # that an autograd Function (bridge_mr's call) returns.
+            dense = tensors[k]
+            strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+            tensors[k] = torch.empty(0, dtype=dense.dtype).set_(
+                dense.untyped_storage(), int(dense.storage_offset()), shape, strides
+            )
         return tensors, outputs[n:]
 
     def _dense_outputs(

@@ -89,8 +89,10 @@ def test_large_inputs_whose_shape_a_tpu_would_pad_cross_as_dense_2d_arrays(monke
 
 def test_large_outputs_whose_shape_a_tpu_would_pad_come_back_as_dense_2d_arrays(monkeypatch):
     """An exported output of images' shape is reshaped to [size / 1024, 1024] in the program,
-    comes back so, and is viewed in its own shape on the host (exact values, call after call);
-    small or dense outputs and what stays on the device (carried) keep their shapes."""
+    comes back so, and is the same memory in its own shape on the host, not a view (torch
+    refuses in-place changes to a view that an autograd Function returns); exact values, call
+    after call; small or dense outputs and what stays on the device (carried) keep their shapes.
+    An input of another shape, which would change the output's, is refused, named."""
     device = jax.devices("cpu")[1]
     shape, dense = (96, 3, 32, 32), (96 * 3 * 32 * 32 // 1024, 1024)
 
@@ -107,6 +109,7 @@ def test_large_outputs_whose_shape_a_tpu_would_pad_come_back_as_dense_2d_arrays(
         out, carried = run([images, w], [])
         assert out[0].shape == shape
         assert out[0].is_contiguous()
+        assert out[0]._base is None
         assert torch.equal(out[0], images * 2 + w[0, 0])
         torch.testing.assert_close(out[1], images.sum(dim=0), rtol=1e-5, atol=1e-4)  # its order
         assert torch.equal(out[2], w + 1)
@@ -116,6 +119,15 @@ def test_large_outputs_whose_shape_a_tpu_would_pad_come_back_as_dense_2d_arrays(
         assert carried[0].shape == shape
         assert carried[0].devices() == {device}
         assert np.array_equal(np.asarray(carried[0]), images.numpy() - 1)
+    # An input that crosses as it is (dense already) is not checked: the output's shape is, when
+    # jax.jit retraces (without programs on disk; a program from disk refuses other shapes).
+    monkeypatch.setenv("BRIDGE_MR_COMPILATION_CACHE", "0")
+    run = runners.runner_for(
+        "cpu", jax.jit(lambda x: [x[..., None]]), [((512, 1024), F32)], 1, None, device=device
+    )
+    assert run([torch.ones(512, 1024)], [])[0][0].shape == (512, 1024, 1)
+    with pytest.raises(ValueError, match=r"outputs\[0\]: the runner's first call made it"):
+        run([torch.ones(1024, 512)], [])
 
 
 def test_a_permuted_input_computes_right_on_another_device():
