@@ -74,7 +74,7 @@ def crossing_shape(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int] |
     of that shape took 7.0 ms to come back, as [7500, 1024] 3.7 ms (docs/tpu.md). An input
     padded by a quarter or more, or 1-D, crosses as [size / width, width] and the program
     reshapes it back on the device; such an output is reshaped so in the program and back on
-    the host, where that is a view. On a TPU the reshape is a copy on the chip (about twice the
+    the host, where that costs no copy. On a TPU the reshape is a copy on the chip (about twice the
     array's bytes of its memory traffic), so an array padded less (GPT-2's f32[50257, 768] by 7
     rows) crosses as it is; below 1 MiB it always does (a 73 KB kernel 113x padded crossed in
     0.73 ms as it is, 1.16 ms dense). Elsewhere (a GPU, a CPU device) the reshape is free, so
