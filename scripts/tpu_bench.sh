@@ -20,11 +20,12 @@
 #             $CONVS_S seconds, default 330; $CONVS_ROWS: other rows, e.g. "50:medium 500:medium")
 #   forms     the CNN round hand-written in JAX, side by side in one process: vmap, one client
 #             at a time, or G clients at a time packed into the channels (packG), max-pool by
-#             reduce_window or by a reshape, NCHW or NHWC, flattened or
-#             contracted whole by the linear layer (:dot), loops unrolled (:uK, :oK), 50 and
-#             500 clients (benchmarks/studies/bench_cnn_forms.py; 50 highest against the host
-#             CPU too, and where the per-client round's time goes on the chip: --profile;
-#             $FORMS_ROWS picks rows, $FORMS_VARIANTS replaces each row's variants)
+#             reduce_window or by a reshape, NCHW or NHWC, flattened or contracted whole by the
+#             linear layer (:dot), loops unrolled (:uK, :oK), K clients or groups vmapped a
+#             step (:vK), 50 and 500 clients (benchmarks/studies/bench_cnn_forms.py; 50 highest
+#             against the host CPU too, and where the per-client round's time goes on the chip:
+#             --profile; $FORMS_ROWS picks rows, $FORMS_VARIANTS replaces each row's variants,
+#             $FORMS_S is each row's limit in seconds, 200 by default)
 #   precision per-client convolutions (vmap and one at a time) and one CNN gradient step against
 #             the host CPU, at each precision (benchmarks/studies/bench_conv_precision.py)
 #   resident  the CNN round, 50 and 500 clients, medium: bridge_mr with host client data,
@@ -144,7 +145,7 @@ forms() {  # the hand-written forms of the CNN round, each row's variants in one
     esac
     variants=${FORMS_VARIANTS:-$variants}  # e.g. "pack2:rs:nchw pack2:rs:nchw:u5:o2"
     # shellcheck disable=SC2086
-    timeout -k 10 200 python3 -m benchmarks.studies.bench_cnn_forms --rows "$clients:$precision" \
+    timeout -k 10 "${FORMS_S:-200}" python3 -m benchmarks.studies.bench_cnn_forms --rows "$clients:$precision" \
       --variants $variants --reps 5 $flag 2>&1 | grep -v -i warn | tee -a "$OUT/bench_forms.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: forms $clients:$precision failed"; status=1; }
   done

@@ -7,7 +7,7 @@ The round is the accelerator case's CNN row (pfl-research's CIFAR10 simple_cnn: 
 conv 32->64, 2x2 max-pool, linear 12,544->128, linear 128->10; 5 local SGD steps of 10 images
 per client, the mean delta added to the server's parameters), written directly in JAX rather
 than through `from_torch`, so that each choice a lowering could make is one flag. A variant is
-FORM:POOL:LAYOUT[:dot][:uK][:oK]:
+FORM:POOL:LAYOUT[:dot|:lanes|:lanesstep][:uK][:oK][:vK]:
 
 * FORM "vmap" (`jax.vmap` over clients: per-client kernels become grouped convolutions),
   "map" (`lax.scan` over clients, one client at a time, as bridge_mr's per_client) or "packG"
@@ -23,10 +23,25 @@ FORM:POOL:LAYOUT[:dot][:uK][:oK]:
   positions directly (its weights seen as [128, C, H, W]) instead of a flattened copy in torch's
   (C, H, W) order. On the chip, XLA lays the per-client activations out with the batch between
   positions and channels, so flattening them copies twice a step;
+* an optional ":lanes", packG only: the first linear layer contracts the packed channels whole,
+  never splitting them into G x 64. Its weights are held, for the whole round, as one
+  [128, 14, 14, G x 64] array whose channel g x 64 + c is client g's channel c (one transpose
+  of the server's weights before the clients, one fold of the summed deltas after them), and
+  its input is the pooled activations G times over, copy g keeping only client g's channels
+  (the others zero: `where`, not a product, so an infinity stays in its client): one dense
+  product of G x batch rows, G times the layer's arithmetic, and each client's gradient in its
+  own channels;
+* an optional ":lanesstep", packG only: as ":lanes", but the weights stay each client's own
+  [128, 12544] (torch's order, as vmap holds them) and are viewed as the packed array at
+  every local step (a transpose of the weights and of their gradient a step);
 * an optional ":uK": the scan over a client's local steps unrolled K times (`lax.scan`'s
   `unroll`; K = the steps: no loop), so XLA may fuse and schedule across steps (one step's
   update with the next one's use of the weights) instead of paying a loop iteration a step;
-* an optional ":oK": the scan over clients (or groups of G) unrolled K times.
+* an optional ":oK": the scan over clients (or groups of G) unrolled K times;
+* an optional ":vK", not with "vmap": K clients (or groups of G) at a time under `jax.vmap`
+  in each step of the scan over clients, so each operation of a step is K times larger and
+  there are K times fewer steps; packed groups' convolutions become grouped convolutions of K
+  groups of G times the channels (pack2: 128 output channels a group, a full MXU tile).
 
 A row is CLIENTS:PRECISION (torch's name: "highest", "high" or "medium"). Per row, each
 variant's first call apart, then `--reps` rounds interleaved; each variant's delta against the
@@ -127,34 +142,39 @@ def init(key: Any) -> dict[str, Any]:
 
 
 def parse_variant(variant: str) -> list[str]:
-    """FORM:POOL:LAYOUT[:dot][:uK][:oK] as its parts; a ValueError that says what is expected."""
+    """FORM:POOL:LAYOUT[:dot|:lanes|:lanesstep][:uK][:oK][:vK] as its parts; a ValueError that
+    says what is expected."""
     parts = variant.split(":")
     choices = (("vmap", "map"), ("rw", "rs"), ("nchw", "nhwc"))
     packed = re.fullmatch(r"pack([2-9]|[1-9][0-9]+)", parts[0])
     options = parts[3:]
-    expected = ("dot", "u", "o")  # in this order, each at most once
-    kinds = [o if o == "dot" else o[:1] for o in options]
+    expected = ("dot", "lanes", "lanesstep", "u", "o", "v")  # in order, each at most once
+    kinds = [o if o in expected[:3] else o[:1] for o in options]
     if (
         len(parts) < 3
         or (parts[0] not in choices[0] and not packed)
         or any(p not in c for p, c in zip(parts[1:3], choices[1:], strict=True))
-        or any(o != "dot" and not re.fullmatch(r"[uo][1-9][0-9]*", o) for o in options)
+        or any(o not in expected[:3] and not re.fullmatch(r"[uov][1-9][0-9]*", o) for o in options)
         or kinds != sorted(set(kinds), key=expected.index)
-        or (parts[0] == "vmap" and "o" in kinds)
+        or (parts[0] == "vmap" and ("o" in kinds or "v" in kinds))
+        or (sum(k in kinds for k in expected[:3]) > 1)
+        or (("lanes" in kinds or "lanesstep" in kinds) and not packed)
     ):
         raise ValueError(
-            f"--variants: expected FORM:POOL:LAYOUT[:dot][:uK][:oK] (FORM vmap, map or packG "
-            f"with G >= 2; uK: local steps unrolled K times; oK, not with vmap: clients "
-            f"unrolled K times) as {VARIANTS[0]}, map:rs:nhwc:dot or pack2:rs:nchw:u5:o2, got "
-            f"{variant!r}"
+            f"--variants: expected FORM:POOL:LAYOUT[:dot|:lanes|:lanesstep][:uK][:oK][:vK] "
+            f"(FORM vmap, map or packG with G >= 2; lanes, lanesstep: packG only; uK: local "
+            f"steps unrolled K times; oK, not with vmap: clients unrolled K times; vK, not with "
+            f"vmap: K clients or groups vmapped a step) as {VARIANTS[0]}, map:rs:nhwc:dot or "
+            f"pack2:rs:nchw:lanes:u5:o2:v5, got {variant!r}"
         )
     return parts
 
 
-def unrolls(parts: list[str]) -> tuple[int, int]:
-    """The (local steps, clients) unroll factors a parsed variant names; 1 where it names none."""
-    found = {o[0]: int(o[1:]) for o in parts[3:] if o != "dot"}
-    return found.get("u", 1), found.get("o", 1)
+def unrolls(parts: list[str]) -> tuple[int, int, int]:
+    """The (local steps, clients) unroll factors and the clients (or groups) vmapped a step
+    that a parsed variant names; 1 where it names none."""
+    found = {o[0]: int(o[1:]) for o in parts[3:] if o not in ("dot", "lanes", "lanesstep")}
+    return found.get("u", 1), found.get("o", 1), found.get("v", 1)
 
 
 def group_size(form: str) -> int:
@@ -208,12 +228,16 @@ def make_loss(pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
     return loss
 
 
-def make_packed_loss(groups: int, pool_name: str, layout: str, dot: bool) -> Callable[..., Any]:
+def make_packed_loss(
+    groups: int, pool_name: str, layout: str, dot: bool, lanes: str = ""
+) -> Callable[..., Any]:
     """G = `groups` clients' summed losses (params with a leading [G], images [G, batch, 3, 32,
     32], labels [G, batch]) -> the sum of each client's mean cross-entropy, whose gradient is
     each client's own. The G clients' images lie side by side in the channels and each
     convolution is one dense convolution with a block-diagonal kernel: zeros off the diagonal
-    blocks add exact zeros, so each client's values are its own."""
+    blocks add exact zeros, so each client's values are its own. With `lanes` "lanes", "l1" is
+    the group's one [128, 14, 14, G x 64] array (`packed_linear`) and the layer contracts the
+    packed channels whole; with "lanesstep", the same from each client's own "l1"."""
     import jax
     import jax.numpy as jnp
 
@@ -235,11 +259,18 @@ def make_packed_loss(groups: int, pool_name: str, layout: str, dot: bool) -> Cal
         convs = {"c1": block_diagonal(p["c1"]), "c2": block_diagonal(p["c2"])}
         packed = {**convs, "b1": p["b1"], "b2": p["b2"]}
         h = pool(jax.nn.relu(pre_activations(packed, h, nhwc)[-1]))  # [N, G*64, 14, 14] or NHWC
-        h = h.reshape(n, 14, 14, g, 64) if nhwc else h.reshape(n, g, 64, 14, 14)
-        if dot:
+        if lanes:  # copy g keeps client g's channels: [G, N, ...], then one dense product
+            mask = jnp.arange(g * 64) // 64 == jnp.arange(g)[:, None]  # [G, G*64]
+            mask = mask[:, None, None, None] if nhwc else mask[:, None, :, None, None]
+            h = jnp.where(mask, h[None], jnp.zeros((), h.dtype))
+            w1 = p["l1"] if lanes == "lanes" else packed_view(p["l1"])
+            h = jnp.einsum("gnhwk,ohwk->gno" if nhwc else "gnkhw,ohwk->gno", h, w1)
+        elif dot:
             w1 = p["l1"].reshape(g, 128, 64, 14, 14)
+            h = h.reshape(n, 14, 14, g, 64) if nhwc else h.reshape(n, g, 64, 14, 14)
             h = jnp.einsum("nhwgc,gochw->gno" if nhwc else "ngchw,gochw->gno", h, w1)
         else:  # torch's flatten order, per client
+            h = h.reshape(n, 14, 14, g, 64) if nhwc else h.reshape(n, g, 64, 14, 14)
             h = jnp.transpose(h, (3, 0, 4, 1, 2)) if nhwc else jnp.swapaxes(h, 0, 1)
             h = jnp.einsum("gnk,gok->gno", h.reshape(g, n, -1), p["l1"])
         h = jax.nn.relu(h + p["d1"][:, None])
@@ -250,6 +281,31 @@ def make_packed_loss(groups: int, pool_name: str, layout: str, dot: bool) -> Cal
     return loss
 
 
+def packed_linear(l1: Any, groups: int) -> Any:
+    """The first linear layer's weights [128, 12544] (torch's (C, H, W) order) as G clients'
+    one [128, 14, 14, G x 64] array, channel g x 64 + c holding client g's channel c."""
+    import jax.numpy as jnp
+
+    return jnp.tile(jnp.transpose(l1.reshape(128, 64, 14, 14), (0, 2, 3, 1)), groups)
+
+
+def packed_view(l1: Any) -> Any:
+    """G clients' own first-layer weights [G, 128, 12544] as `packed_linear`'s one array."""
+    import jax.numpy as jnp
+
+    g = l1.shape[0]
+    view = jnp.transpose(l1.reshape(g, 128, 64, 14, 14), (1, 3, 4, 0, 2))
+    return view.reshape(128, 14, 14, g * 64)
+
+
+def unpacked_linear(packed: Any, groups: int) -> Any:
+    """`packed_linear`'s inverse, the G clients' weights summed: [128, 12544] in (C, H, W)."""
+    import jax.numpy as jnp
+
+    summed = packed.reshape(128, 14, 14, groups, 64).sum(3)
+    return jnp.transpose(summed, (0, 3, 1, 2)).reshape(128, 12544)
+
+
 def make_round(variant: str) -> Callable[..., Any]:
     """The jitted round (server params, images [C, steps, batch, 3, 32, 32], labels) -> params."""
     import jax
@@ -258,18 +314,23 @@ def make_round(variant: str) -> Callable[..., Any]:
     parts = parse_variant(variant)
     form, pool_name, layout = parts[:3]
     dot = "dot" in parts[3:]
-    unroll_steps, unroll_clients = unrolls(parts)
+    lanes = "lanes" if "lanes" in parts[3:] else "lanesstep" if "lanesstep" in parts[3:] else ""
+    unroll_steps, unroll_clients, vmapped = unrolls(parts)
     groups = group_size(form)
     if groups > 1:
-        loss = make_packed_loss(groups, pool_name, layout, dot)
+        loss = make_packed_loss(groups, pool_name, layout, dot, lanes)
     else:
         loss = make_loss(pool_name, layout, dot)
 
     def client(p: Any, xs: Any, ys: Any) -> Any:
-        """One client's (or, packed, one group's: [G, steps, ...]) summed deltas."""
+        """One client's (or, packed, one group's: [G, steps, ...]) summed deltas (with
+        `lanes`, "l1"'s packed, not summed: `packed_linear`)."""
         if groups > 1:  # the group's local steps side by side: [steps, G, ...]
             xs, ys = jnp.swapaxes(xs, 0, 1), jnp.swapaxes(ys, 0, 1)
-            p = jax.tree.map(lambda a: jnp.broadcast_to(a, (groups, *a.shape)), p)
+            p = {
+                k: a if lanes == "lanes" and k == "l1" else jnp.broadcast_to(a, (groups, *a.shape))
+                for k, a in p.items()
+            }
 
         def step(q: Any, batch: Any) -> tuple[Any, None]:
             g = jax.grad(loss)(q, *batch)
@@ -277,26 +338,38 @@ def make_round(variant: str) -> Callable[..., Any]:
 
         trained = jax.lax.scan(step, p, (xs, ys), unroll=unroll_steps)[0]
         deltas = jax.tree.map(jnp.subtract, trained, p)
-        return jax.tree.map(lambda a: a.sum(0), deltas) if groups > 1 else deltas
+        if groups == 1:
+            return deltas
+        return {k: a if lanes == "lanes" and k == "l1" else a.sum(0) for k, a in deltas.items()}
 
     @jax.jit
     def round_(p: Any, xs: Any, ys: Any) -> Any:
-        clients = xs.shape[0]
+        clients, server = xs.shape[0], p
+        if lanes == "lanes":
+            p = {**p, "l1": packed_linear(p["l1"], groups)}
         if form == "vmap":
             deltas = jax.vmap(client, in_axes=(None, 0, 0))(p, xs, ys)
             delta = jax.tree.map(lambda a: a.mean(0), deltas)
         else:
-            batches = (xs, ys)
-            if groups > 1:  # [clients / G, G, steps, ...]
-                batches = jax.tree.map(lambda a: a.reshape(-1, groups, *a.shape[1:]), batches)
+            # [clients / (G K), K, G, steps, ...], without the G (or K) axis where it is 1
+            inner = (vmapped,) * (vmapped > 1) + (groups,) * (groups > 1)
+            batches = jax.tree.map(lambda a: a.reshape(-1, *inner, *a.shape[1:]), (xs, ys))
+            each = client
+            if vmapped > 1:
+
+                def each(p: Any, xs: Any, ys: Any) -> Any:
+                    deltas = jax.vmap(client, in_axes=(None, 0, 0))(p, xs, ys)
+                    return jax.tree.map(lambda a: a.sum(0), deltas)
 
             def add(total: Any, batch: Any) -> tuple[Any, None]:
-                return jax.tree.map(jnp.add, total, client(p, *batch)), None
+                return jax.tree.map(jnp.add, total, each(p, *batch)), None
 
             zeros = jax.tree.map(jnp.zeros_like, p)
             total = jax.lax.scan(add, zeros, batches, unroll=unroll_clients)[0]
+            if lanes == "lanes":
+                total = {**total, "l1": unpacked_linear(total["l1"], groups)}
             delta = jax.tree.map(lambda a: a / clients, total)
-        return jax.tree.map(jnp.add, p, delta)
+        return jax.tree.map(jnp.add, server, delta)
 
     return round_
 
@@ -380,14 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     specs = bench_conv_lowering.parse_rows(parser, args.rows, PRECISION)
     for variant in args.variants:
         try:
-            groups = group_size(parse_variant(variant)[0])
+            parts = parse_variant(variant)
         except ValueError as error:
             parser.error(str(error))
+        step = group_size(parts[0]) * unrolls(parts)[2]
         for clients, precision in specs:
-            if clients % groups:
+            if clients % step:
                 parser.error(
-                    f"--variants {variant}: its groups of {groups} clients do not divide the "
-                    f"row {clients}:{precision}'s clients; pick a G that divides them"
+                    f"--variants {variant}: its steps of {step} clients (G times the K of "
+                    f":vK) do not divide the row {clients}:{precision}'s clients; pick G and "
+                    f"K whose product divides them"
                 )
     rows = []
     for clients, precision in specs:

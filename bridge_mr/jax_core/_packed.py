@@ -10,8 +10,10 @@ kernel gradient as one dense convolution whose diagonal blocks are kept; with a 
 client shares, the clients go side by side in the batch. Elementwise operations,
 broadcasts, transposes, reductions and windows (max-pools and their gradients) that leave the
 packed dimension alone keep values packed, so a CNN's activations stay packed from one layer to
-the next, in the layout a TPU's matrix unit takes; everything else (matrix products, the
-flatten before a linear layer) runs as vmap runs it, on the stacked form. On a TPU a max-pool
+the next, in the layout a TPU's matrix unit takes. A flatten of packed activations keeps them
+as they are (`_lanes.Lanes`), and the linear layer after it runs as dense products over the
+packed channels, its weights carried in the same form from one local step to the next; everything
+else (other matrix products) runs as vmap runs it, on the stacked form. On a TPU a max-pool
 whose windows tile its input, and its gradient, run as a reshape and a max (`_windows`).
 
 The dense convolutions do G times the arithmetic of the clients' own (the zero blocks), in G
@@ -36,15 +38,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core
 
+from . import _lanes
 from ._blocks import block_diagonal, diagonal_blocks
 from ._cpu import has_convolution
+from ._lanes import STACKED, Lanes
 from ._windows import lowering
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: A value's form: None (unbatched), STACKED (a leading client axis) or the packed dimension.
-Form = int | None
-STACKED = -1
+#: A value's form: None (unbatched), STACKED (a leading client axis), the packed dimension, or
+#: a flattened packed dimension held unflattened (`Lanes`).
+Form = int | Lanes | None
 
 _ELEMENTWISE_NAMES = """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
 conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor
@@ -139,6 +143,14 @@ class _Packing:
     def rule(self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]) -> list[tuple[Any, Form]]:
         name = eqn.primitive.name
         out: list[tuple[Any, Form]] | None = None
+        if name not in (*_INLINED, "scan", "custom_jvp_call") and any(
+            isinstance(f, Lanes) for _, f in ins
+        ):
+            bind = lambda values, **changed: _bind(eqn, values, **changed)
+            out = _lanes.rule(eqn, ins, self.size, self.convert, bind, _ELEMENTWISE)
+            if out is not None:
+                return out
+            ins = [_lanes.unheld(v, f) for v, f in ins]
         if name in _ELEMENTWISE:
             out = self.elementwise(eqn, ins)
         elif name == "conv_general_dilated":
@@ -164,6 +176,10 @@ class _Packing:
         """`x` (in `form`) in the form `want`."""
         if form == want:
             return x
+        if isinstance(form, Lanes):
+            x, form = _lanes.merged(x, form), form.dim
+        if isinstance(want, Lanes):
+            return _lanes.split(self.convert(x, form, want.dim), want)
         g = self.size
         if form is not None and form != STACKED:  # Unpack: (.., G·C, ..) -> (G, .., C, ..).
             shape = (*x.shape[:form], g, x.shape[form] // g, *x.shape[form + 1 :])
@@ -191,7 +207,7 @@ class _Packing:
         self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]
     ) -> list[tuple[Any, Form]] | None:
         """Elementwise (operands the output's shape, scalars, or with dimensions of 1)."""
-        packed = [f for _, f in ins if f is not None and f != STACKED]
+        packed = _packed_dims(ins)
         shape = _aval(eqn.outvars[0]).shape
         if not packed or any(len(_aval(a).shape) not in (0, len(shape)) for a in eqn.invars):
             return None
@@ -262,7 +278,7 @@ class _Packing:
     ) -> list[tuple[Any, Form]] | None:
         """A reduction over windows of several operands (e.g. a max-pool with its indices)."""
         n = len(ins) // 2
-        packed = [f for _, f in ins[:n] if f is not None and f != STACKED]
+        packed = _packed_dims(ins[:n])
         if not packed or any(f is not None for _, f in ins[n:]):
             return None
         dim = packed[0]
@@ -275,7 +291,7 @@ class _Packing:
         self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]
     ) -> list[tuple[Any, Form]] | None:
         """Operations along other dimensions than the packed one: it stays packed."""
-        packed = [f for _, f in ins if f is not None and f != STACKED]
+        packed = _packed_dims(ins)
         if not packed:
             return None
         dim = packed[0]
@@ -302,7 +318,8 @@ class _Packing:
                 ):
                     sizes = (*new_sizes[:d], g * new_sizes[d], *new_sizes[d + 1 :])
                     return [(_bind(eqn, [ins[0][0]], new_sizes=sizes)[0], d)]
-            return None
+            held = _lanes.flattening(shape, dim, new_sizes)  # Kept as it is.
+            return None if held is None else [(ins[0][0], held)]
         if name == "broadcast_in_dim":
             target = params["broadcast_dimensions"][dim]
             if params["shape"][target] != shape[dim]:
@@ -365,9 +382,9 @@ class _Packing:
             [d for d in range(rank) if d not in (*c, *b)]
             for rank, c, b in zip(ranks, (lhs_c, rhs_c), (lhs_b, rhs_b), strict=True)
         ]
-        if rhs_form is None and lhs_form in free[0]:
+        if rhs_form is None and isinstance(lhs_form, int) and lhs_form in free[0]:
             return [(_bind(eqn, [lhs, rhs])[0], len(lhs_b) + free[0].index(lhs_form))]
-        if lhs_form is None and rhs_form in free[1]:
+        if lhs_form is None and isinstance(rhs_form, int) and rhs_form in free[1]:
             at = len(lhs_b) + len(free[0]) + free[1].index(rhs_form)
             return [(_bind(eqn, [lhs, rhs])[0], at)]
         return None
@@ -379,13 +396,12 @@ class _Packing:
         body: core.ClosedJaxpr = p["jaxpr"]
         consts, init = ins[:n_consts], ins[n_consts : n_consts + n_carry]
         # A value packed along the scanned axis is unpacked; along another, its steps are.
-        xs = [
-            (self.convert(v, 0, STACKED), STACKED) if f == 0 else (v, f)
-            for v, f in ins[n_consts + n_carry :]
-        ]
+        xs = []
+        for v, f in (_lanes.unheld(v, f) for v, f in ins[n_consts + n_carry :]):
+            xs.append((self.convert(v, 0, STACKED), STACKED) if f == 0 else (v, f))
         x_forms: list[Form] = [f if f is None or f == STACKED else f - 1 for _, f in xs]
         carry_forms: list[Form] = [f for _, f in init]
-        y_forms: list[Form] = []
+        y_forms: list[int | None] = []
 
         def run_body(carry: list[Any], x: list[Any], forms: list[Form]) -> list[tuple[Any, Form]]:
             args = [*consts, *zip(carry, forms, strict=True), *zip(x, x_forms, strict=True)]
@@ -393,14 +409,15 @@ class _Packing:
 
         def body_fn(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             outs = run_body(carry, x, carry_forms)
-            y_forms[:] = [f for _, f in outs[n_carry:]]
+            ys = [_lanes.unheld(v, f) for v, f in outs[n_carry:]]
+            y_forms[:] = [f for _, f in ys]
             new_carry = [
                 self.convert(v, f, want) if want is not None else v
                 for (v, f), want in zip(outs[:n_carry], carry_forms, strict=True)
             ]
-            return new_carry, [v for v, _ in outs[n_carry:]]
+            return new_carry, [v for v, _ in ys]
 
-        for _ in range(n_carry + 1):  # Forms only move up: unbatched, packed, stacked.
+        for _ in range(3 * n_carry + 1):  # Forms only move up (`_join`), three times at most.
             avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v, _ in init]
             x_avals = [_aval_step(v, f) for v, f in xs]
             found: list[Form] = []
@@ -440,11 +457,20 @@ def _aval(atom: Any) -> Any:
     return atom.aval
 
 
+def _packed_dims(ins: Sequence[tuple[Any, Form]]) -> list[int]:
+    """The packed dimensions of the operands packed along one."""
+    return [f for _, f in ins if isinstance(f, int) and f != STACKED]
+
+
 def _join(a: Form, b: Form) -> Form:
-    """The form both `a` and `b` convert to without leaving the batch: unbatched < packed."""
+    """A carry's form from its form before a step, `a`, and after it, `b`: unbatched < packed
+    < stacked < held (`Lanes`: a later step's, once the first one's shared kernels are per
+    client; holding it saves converting it at every step)."""
     if a == b or b is None:
         return a
-    return b if a is None else STACKED
+    if a is None or (a == STACKED and isinstance(b, Lanes)):
+        return b
+    return STACKED
 
 
 def _aval_step(x: Any, form: Form) -> jax.ShapeDtypeStruct:

@@ -185,7 +185,8 @@ def test_bench_cnn_forms_packed_round_is_the_per_client_round_in_float64() -> No
     """Two groups of two clients, each client its own images and its own steps in order, the
     mean over all four: the round of one client at a time (in float32 a ReLU input or a
     max-pool tie that rounds the other way moves them apart by up to ~1e-3: compare in float64),
-    with the local steps and the clients' loop unrolled too."""
+    with the local steps and the clients' loop unrolled too, with clients or groups vmapped a
+    step, and with the first linear layer over the packed channels."""
     import jax
     import jax.numpy as jnp
 
@@ -195,7 +196,11 @@ def test_bench_cnn_forms_packed_round_is_the_per_client_round_in_float64() -> No
     images = rng.standard_normal((4, 2, 3, 3, 32, 32))  # clients, steps, batch, C, H, W
     labels = rng.integers(0, 10, (4, 2, 3)).astype(np.int32)
     want = jax.jit(study.make_round("map:rs:nchw"))(server, images, labels)
-    for variant in ("pack2:rs:nchw", "pack4:rs:nhwc:dot", "pack2:rs:nchw:u2:o2", "map:rs:nchw:o3"):
+    for variant in (
+        "pack2:rs:nchw", "pack4:rs:nhwc:dot", "pack2:rs:nchw:u2:o2", "map:rs:nchw:o3",
+        "pack2:rs:nchw:u2:v2", "map:rs:nchw:o2:v2", "pack2:rs:nchw:lanes",
+        "pack4:rs:nhwc:lanes:u2", "pack2:rs:nchw:lanes:v2", "pack2:rs:nchw:lanesstep",
+    ):  # fmt: skip
         got = jax.jit(study.make_round(variant))(server, images, labels)
         deltas = [jax.tree.map(jnp.subtract, r, server) for r in (got, want)]
         assert_leaves_close(*deltas, 1e-11, variant)
@@ -233,6 +238,11 @@ def test_bench_cnn_forms_runs_each_form_from_the_same_server(capsys: pytest.Capt
         ["--variants", "pack1:rs:nchw"],
         ["--variants", "pack2:rs:nchw:o2:u5"],  # u before o
         ["--variants", "vmap:rs:nchw:o2"],  # no loop over clients to unroll
+        ["--variants", "vmap:rs:nchw:v2"],  # vmap over every client already
+        ["--variants", "pack2:rs:nchw:v2:o2"],  # o before v
+        ["--variants", "map:rs:nchw:lanes"],  # no packed channels
+        ["--variants", "pack2:rs:nchw:dot:lanes"],  # one or the other
+        ["--variants", "pack2:rs:nchw:lanes:lanesstep"],
     ):
         with pytest.raises(SystemExit):
             study.main(wrong)
