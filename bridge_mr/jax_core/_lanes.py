@@ -152,7 +152,8 @@ def dot_mixed(
     else:
         full = bind(stacked, held, ((stacked_c, held_c), ([], [])))
     mask = _mask(g, out_form, full.ndim - 1, out_form.dim)
-    return jnp.where(mask, full, jnp.zeros((), full.dtype)).sum(0), out_form
+    kept = jnp.where(mask, full, jnp.zeros((), full.dtype))
+    return kept.sum(0, dtype=full.dtype), out_form  # An integer or bool product keeps its type.
 
 
 def rule(

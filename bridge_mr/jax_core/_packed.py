@@ -178,6 +178,8 @@ class _Packing:
             return x
         if isinstance(form, Lanes):
             x, form = _lanes.merged(x, form), form.dim
+            if form == want:
+                return x
         if isinstance(want, Lanes):
             return _lanes.split(self.convert(x, form, want.dim), want)
         g = self.size
@@ -417,7 +419,7 @@ class _Packing:
             ]
             return new_carry, [v for v, _ in ys]
 
-        for _ in range(3 * n_carry + 1):  # Forms only move up (`_join`), three times at most.
+        for _ in range(3 * n_carry + 1):  # Forms move up (`_join`); bounded all the same.
             avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v, _ in init]
             x_avals = [_aval_step(v, f) for v, f in xs]
             found: list[Form] = []
@@ -465,12 +467,12 @@ def _packed_dims(ins: Sequence[tuple[Any, Form]]) -> list[int]:
 def _join(a: Form, b: Form) -> Form:
     """A carry's form from its form before a step, `a`, and after it, `b`: unbatched < packed
     < stacked < held (`Lanes`: a later step's, once the first one's shared kernels are per
-    client; holding it saves converting it at every step)."""
+    client; holding it saves converting it at every step); two held forms: stacked."""
     if a == b or b is None:
         return a
-    if a is None or (a == STACKED and isinstance(b, Lanes)):
+    if a is None or (isinstance(b, Lanes) and not isinstance(a, Lanes)):
         return b
-    return STACKED
+    return a if isinstance(a, Lanes) and not isinstance(b, Lanes) else STACKED
 
 
 def _aval_step(x: Any, form: Form) -> jax.ShapeDtypeStruct:

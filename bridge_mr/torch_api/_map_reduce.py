@@ -56,7 +56,8 @@ def map_reduce(
     default) means; "packed" runs `chunk_size` clients at a time packed into their channels,
     each convolution over per-client kernels one dense convolution of the block-diagonal kernel
     (`bridge_mr.jax_core.vmap_packed`: for small CNNs on a TPU; a NaN in one client's
-    activations spreads to its chunk). "auto" (the default) decides once per signature, among
+    activations, or an infinity in its weights of a linear layer after a flatten, spreads to its
+    chunk). "auto" (the default) decides once per signature, among
     vmap, per_client and chunks of 16 and 128 (those below the client count; on a TPU also
     packed chunks of `AUTO_TPU_PACKED`, which it prefers where vmap would group the client's
     convolutions over per-client weights), without compiling or running any but the call itself:

@@ -318,6 +318,49 @@ def test_a_flattened_activations_other_uses_and_torchs_linear_layer_equal_vmap(d
     assert_trees_all_close(got, jax.grad(lambda p: total(jax.vmap(local), p))(per_client), **close)
 
 
+def _flat_conv(x, k):
+    """[N, C x H x W] of a convolution: its flatten is held packed (`_lanes`)."""
+    h = lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    return h.reshape(h.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bool_])
+def test_an_integer_or_bool_product_of_flattened_activations_keeps_its_type(dtype):
+    """Products in vmap's type, int8 staying int8 and bool bool, also carried by a scan: of
+    fewer rows than the activations (every client's product whole, each keeping its block) and
+    of more (the activations' copies, each keeping one client's block)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 4, 3, 3, 3)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(3, 2, 3, 3, 3)), jnp.float32)
+    v = jnp.asarray(rng.integers(-3, 4, (3, 4, 6)), jnp.int8)
+
+    def fn(x, k, v):
+        flat = (_flat_conv(x, k) * 20).astype(dtype)
+        v = v.astype(dtype)
+        total = lax.scan(lambda c, _: (c + v[:, 0] @ flat, None), v[:, 0] @ flat, None, length=2)
+        return total[0], v.T @ flat
+
+    got, want = mr.vmap_packed(fn, 3)(x, k, v), jax.vmap(fn)(x, k, v)
+    assert [a.dtype for a in got] == [jnp.dtype(dtype)] * 2
+    assert_trees_all_close(got, want, rtol=0, atol=0)
+
+
+def test_carries_that_swap_held_and_stacked_forms_equal_vmap():
+    """Two carries that trade places each step, one a flattened activation (held) and one a
+    client's own (stacked)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 4, 3, 3, 3)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(3, 2, 3, 3, 3)), jnp.float32)
+    u = jnp.asarray(rng.normal(size=(3, 4, 18)), jnp.float32)
+
+    def fn(x, k, u):
+        step = lambda c, _: ((c[1] * 1.5, c[0] + 1.0), None)
+        return lax.scan(step, (_flat_conv(x, k), u), None, length=3)[0]
+
+    got, want = mr.vmap_packed(fn, 3)(x, k, u), jax.vmap(fn)(x, k, u)
+    assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cpu"])
 def test_on_a_tpu_the_max_pool_is_a_reshape(platform):
     """The max-pool and its gradient lower for a TPU as a reshape and a max (faster there in
