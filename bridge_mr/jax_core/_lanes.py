@@ -55,6 +55,11 @@ def merged(x: Any, form: Lanes) -> Any:
     return x.reshape(*x.shape[: form.dim], -1, *x.shape[form.dim + k :])
 
 
+def packed_dims(ins: Sequence[tuple[Any, Any]]) -> list[int]:
+    """The packed dimensions of the operands packed along one (not stacked, not held)."""
+    return [f for _, f in ins if isinstance(f, int) and f != STACKED]
+
+
 def unheld(x: Any, form: int | Lanes | None) -> tuple[Any, int | None]:
     """A value in any form but `Lanes` (a held value merged: packed along its dimension)."""
     return (merged(x, form), form.dim) if isinstance(form, Lanes) else (x, form)

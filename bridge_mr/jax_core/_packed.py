@@ -17,12 +17,11 @@ else (other matrix products) runs as vmap runs it, on the stacked form. On a TPU
 whose windows tile its input, and its gradient, run as a reshape and a max (`_windows`).
 
 The dense convolutions do G times the arithmetic of the clients' own (the zero blocks), in G
-times fewer and wider products: on a TPU v5e's 128-lane matrix unit a CNN's 3 to 64 channels
-leave most lanes idle, so two clients at a time measured faster than one (see
-docs/performance.md). The zero blocks add exact zeros, so each client's values are its own
-within the rounding of a sum in another order; but a NaN or an infinity in one client's
-activations turns the products with its zero blocks into NaN, so it spreads to the other clients
-of its chunk.
+times fewer and wider products: a CNN's 3 to 64 channels leave most of a TPU v5e's 128 lanes
+idle, so two clients at a time measured faster than one (docs/performance.md). The zero blocks
+add exact zeros, so each client's values are its own within the rounding of a sum in another
+order; but a NaN or an infinity in one client's activations turns the products with its zero
+blocks into NaN, so it spreads to the other clients of its chunk.
 """
 
 from __future__ import annotations
@@ -125,7 +124,9 @@ class _Packing:
         env: dict[core.Var, tuple[Any, Form]] = {}
 
         def read(atom: Any) -> tuple[Any, Form]:
-            return (atom.val, None) if isinstance(atom, core.Literal) else env[atom]
+            if isinstance(atom, core.Literal):  # An array: a scan's carry may start as one.
+                return jnp.asarray(atom.val, _aval(atom).dtype), None
+            return env[atom]
 
         env.update((v, (c, None)) for v, c in zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
@@ -209,7 +210,7 @@ class _Packing:
         self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]
     ) -> list[tuple[Any, Form]] | None:
         """Elementwise (operands the output's shape, scalars, or with dimensions of 1)."""
-        packed = _packed_dims(ins)
+        packed = _lanes.packed_dims(ins)
         shape = _aval(eqn.outvars[0]).shape
         if not packed or any(len(_aval(a).shape) not in (0, len(shape)) for a in eqn.invars):
             return None
@@ -240,14 +241,17 @@ class _Packing:
         forms = [f for _, f in ins]
         out_forms: list[Form] = []
 
-        @jax.custom_jvp
-        def call(*values: Any) -> list[Any]:
+        def primal(*values: Any) -> list[Any]:
             outs = self.eval(closed.jaxpr, closed.consts, list(zip(values, forms, strict=True)))
             out_forms[:] = [f for _, f in outs]
             return [v for v, _ in outs]
 
+        call = jax.custom_jvp(primal)
+
         @call.defjvp
         def _jvp(primals: Any, tangents: Any) -> Any:
+            if not out_forms:  # Differentiated first (jax.grad of the whole): the forms' trace.
+                jax.eval_shape(primal, *primals)
             axes = [None if f is None else 0 for f in forms]
             stacked = [
                 [
@@ -280,7 +284,7 @@ class _Packing:
     ) -> list[tuple[Any, Form]] | None:
         """A reduction over windows of several operands (e.g. a max-pool with its indices)."""
         n = len(ins) // 2
-        packed = _packed_dims(ins[:n])
+        packed = _lanes.packed_dims(ins[:n])
         if not packed or any(f is not None for _, f in ins[n:]):
             return None
         dim = packed[0]
@@ -293,7 +297,7 @@ class _Packing:
         self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]
     ) -> list[tuple[Any, Form]] | None:
         """Operations along other dimensions than the packed one: it stays packed."""
-        packed = _packed_dims(ins)
+        packed = _lanes.packed_dims(ins)
         if not packed:
             return None
         dim = packed[0]
@@ -457,11 +461,6 @@ class _Packing:
 def _aval(atom: Any) -> Any:
     """An atom's abstract value (an array's: shape and dtype)."""
     return atom.aval
-
-
-def _packed_dims(ins: Sequence[tuple[Any, Form]]) -> list[int]:
-    """The packed dimensions of the operands packed along one."""
-    return [f for _, f in ins if isinstance(f, int) and f != STACKED]
 
 
 def _join(a: Form, b: Form) -> Form:

@@ -361,6 +361,28 @@ def test_carries_that_swap_held_and_stacked_forms_equal_vmap():
     assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_the_gradient_of_a_packed_function_that_calls_a_custom_jvp_equals_vmaps():
+    """jax.grad of the packed function itself (its ReLU's rule traced before its body ran),
+    a ReLU on packed and on flattened activations."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 4, 3, 3, 3)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(3, 2, 3, 3, 3)), jnp.float32)
+    fn = lambda x, k: jnp.sum(jax.nn.relu(_flat_conv(x, k)) ** 2)
+    grad = lambda run: jax.grad(lambda k: run(fn)(x, k).sum())(k)
+    assert_trees_all_close(grad(lambda f: mr.vmap_packed(f, 3)), grad(jax.vmap), rtol=1e-6)
+
+
+def test_a_scan_whose_carry_starts_as_a_literal_equals_vmap():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 4, 3, 3, 3)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(3, 2, 3, 3, 3)), jnp.float32)
+
+    def fn(x, k):
+        return lax.scan(lambda c, r: (c + r.sum(), r * 2), 0.0, _flat_conv(x, k))
+
+    assert_trees_all_close(mr.vmap_packed(fn, 3)(x, k), jax.vmap(fn)(x, k), rtol=1e-6)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cpu"])
 def test_on_a_tpu_the_max_pool_is_a_reshape(platform):
     """The max-pool and its gradient lower for a TPU as a reshape and a max (faster there in
