@@ -110,14 +110,19 @@ def test_a_packed_convolution_and_its_gradients_equal_vmaps(dtype, close, batche
         )
 
 
-def _model(p, x):
-    """A small CNN: conv, ReLU (a custom_jvp), max-pool, conv with bias, flatten, linear."""
+def _features(p, x):
+    """A small CNN's convolutions: conv, ReLU (a custom_jvp), max-pool, conv with bias, ReLU."""
     numbers = ("NCHW", "OIHW", "NCHW")
     h = lax.conv_general_dilated(x, p["k1"], (1, 1), "SAME", dimension_numbers=numbers)
     h = jax.nn.relu(h + p["b1"][None, :, None, None])
     h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
     h = lax.conv_general_dilated(h, p["k2"], (1, 1), "VALID", dimension_numbers=numbers)
-    h = jnp.maximum(h + p["b2"].reshape(1, -1, 1, 1), 0)
+    return jnp.maximum(h + p["b2"].reshape(1, -1, 1, 1), 0)
+
+
+def _model(p, x):
+    """`_features`, flattened, then a linear layer."""
+    h = _features(p, x)
     return h.reshape(h.shape[0], -1) @ p["w"]
 
 
@@ -269,14 +274,9 @@ def test_the_linear_layer_after_the_flatten_runs_on_the_packed_channels():
 
 
 def _other_head(p, x):
-    """`_model`'s convolutions, then torch's linear layer ([out, in] weights) and the flattened
-    activations used otherwise too: squared and summed, and unflattened again."""
-    numbers = ("NCHW", "OIHW", "NCHW")
-    h = lax.conv_general_dilated(x, p["k1"], (1, 1), "SAME", dimension_numbers=numbers)
-    h = jax.nn.relu(h + p["b1"][None, :, None, None])
-    h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
-    h = lax.conv_general_dilated(h, p["k2"], (1, 1), "VALID", dimension_numbers=numbers)
-    h = jnp.maximum(h + p["b2"].reshape(1, -1, 1, 1), 0)
+    """`_features`, then torch's linear layer ([out, in] weights) and the flattened activations
+    used otherwise too: squared and summed, and unflattened again."""
+    h = _features(p, x)
     flat = h.reshape(h.shape[0], -1)
     square = jnp.sum(flat**2, axis=1, keepdims=True)
     again = jnp.sum(jnp.tanh(flat.reshape(h.shape)), axis=(1, 2, 3))[:, None]
