@@ -145,8 +145,8 @@ forms() {  # the hand-written forms of the CNN round, each row's variants in one
     esac
     variants=${FORMS_VARIANTS:-$variants}  # e.g. "pack2:rs:nchw pack2:rs:nchw:u5:o2"
     # shellcheck disable=SC2086
-    timeout -k 10 "${FORMS_S:-200}" python3 -m benchmarks.studies.bench_cnn_forms --rows "$clients:$precision" \
-      --variants $variants --reps 5 $flag 2>&1 | grep -v -i warn | tee -a "$OUT/bench_forms.txt"
+    timeout -k 10 "${FORMS_S:-200}" python3 -m benchmarks.studies.bench_cnn_forms \
+      --rows "$clients:$precision" --variants $variants --reps 5 $flag 2>&1 | grep -v -i warn | tee -a "$OUT/bench_forms.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "tpu_bench: forms $clients:$precision failed"; status=1; }
   done
 }

@@ -74,6 +74,8 @@ VARIANTS = (
     "vmap:rw:nchw", "vmap:rs:nchw", "map:rw:nchw", "map:rs:nchw", "map:rs:nhwc", "map:rs:nchw:dot",
     "map:rs:nhwc:dot", "pack2:rs:nchw", "pack5:rs:nchw", "pack5:rs:nhwc:dot",
 )  # fmt: skip
+#: The options for the first linear layer, at most one a variant.
+LINEAR = ("dot", "lanes", "lanesstep")
 #: One example's forward and backward operations (3x the forward's).
 FLOPS_PER_EXAMPLE = 3 * 2 * (30 * 30 * 32 * 27 + 28 * 28 * 64 * 288 + 12544 * 128 + 128 * 10)
 
@@ -148,16 +150,16 @@ def parse_variant(variant: str) -> list[str]:
     choices = (("vmap", "map"), ("rw", "rs"), ("nchw", "nhwc"))
     packed = re.fullmatch(r"pack([2-9]|[1-9][0-9]+)", parts[0])
     options = parts[3:]
-    expected = ("dot", "lanes", "lanesstep", "u", "o", "v")  # in order, each at most once
-    kinds = [o if o in expected[:3] else o[:1] for o in options]
+    expected = (*LINEAR, "u", "o", "v")  # in this order, each at most once
+    kinds = [o if o in LINEAR else o[:1] for o in options]
     if (
         len(parts) < 3
         or (parts[0] not in choices[0] and not packed)
         or any(p not in c for p, c in zip(parts[1:3], choices[1:], strict=True))
-        or any(o not in expected[:3] and not re.fullmatch(r"[uov][1-9][0-9]*", o) for o in options)
+        or any(o not in LINEAR and not re.fullmatch(r"[uov][1-9][0-9]*", o) for o in options)
         or kinds != sorted(set(kinds), key=expected.index)
         or (parts[0] == "vmap" and ("o" in kinds or "v" in kinds))
-        or (sum(k in kinds for k in expected[:3]) > 1)
+        or sum(k in kinds for k in LINEAR) > 1
         or (("lanes" in kinds or "lanesstep" in kinds) and not packed)
     ):
         raise ValueError(
@@ -173,7 +175,7 @@ def parse_variant(variant: str) -> list[str]:
 def unrolls(parts: list[str]) -> tuple[int, int, int]:
     """The (local steps, clients) unroll factors and the clients (or groups) vmapped a step
     that a parsed variant names; 1 where it names none."""
-    found = {o[0]: int(o[1:]) for o in parts[3:] if o not in ("dot", "lanes", "lanesstep")}
+    found = {o[0]: int(o[1:]) for o in parts[3:] if o not in LINEAR}
     return found.get("u", 1), found.get("o", 1), found.get("v", 1)
 
 
@@ -313,8 +315,9 @@ def make_round(variant: str) -> Callable[..., Any]:
 
     parts = parse_variant(variant)
     form, pool_name, layout = parts[:3]
-    dot = "dot" in parts[3:]
-    lanes = "lanes" if "lanes" in parts[3:] else "lanesstep" if "lanesstep" in parts[3:] else ""
+    linear = next((o for o in parts[3:] if o in LINEAR), "")
+    dot = linear == "dot"
+    lanes = "" if dot else linear  # "", "lanes" or "lanesstep"
     unroll_steps, unroll_clients, vmapped = unrolls(parts)
     groups = group_size(form)
     if groups > 1:

@@ -147,7 +147,7 @@ class _Packing:
         if name not in (*_INLINED, "scan", "custom_jvp_call") and any(
             isinstance(f, Lanes) for _, f in ins
         ):
-            bind = lambda values, **changed: _bind(eqn, values, **changed)
+            bind = functools.partial(_bind, eqn)
             out = _lanes.rule(eqn, ins, self.size, self.convert, bind, _ELEMENTWISE)
             if out is not None:
                 return out
@@ -177,10 +177,9 @@ class _Packing:
         """`x` (in `form`) in the form `want`."""
         if form == want:
             return x
-        if isinstance(form, Lanes):
-            x, form = _lanes.merged(x, form), form.dim
-            if form == want:
-                return x
+        x, form = _lanes.unheld(x, form)
+        if form == want:  # A held value wanted packed along its own dimension.
+            return x
         if isinstance(want, Lanes):
             return _lanes.split(self.convert(x, form, want.dim), want)
         g = self.size
@@ -469,9 +468,10 @@ def _join(a: Form, b: Form) -> Form:
     client; holding it saves converting it at every step); two held forms: stacked."""
     if a == b or b is None:
         return a
-    if a is None or (isinstance(b, Lanes) and not isinstance(a, Lanes)):
+    if a is None:
         return b
-    return a if isinstance(a, Lanes) and not isinstance(b, Lanes) else STACKED
+    held = [f for f in (a, b) if isinstance(f, Lanes)]
+    return held[0] if len(held) == 1 else STACKED
 
 
 def _aval_step(x: Any, form: Form) -> jax.ShapeDtypeStruct:
