@@ -72,7 +72,9 @@ def to_device(owner: str, fields: Mapping[str, Any], device: Any) -> dict[str, j
         # to_jax shares the tensor's memory: a copy, so that the tensor's later in-place
         # changes stay out of the dataset (on a CPU device, device_put alone would alias).
         moved[name] = jax.device_put(shared, device, may_alias=False)
-    return moved
+    # The copies run asynchronously and read the tensors' memory while they run: an in-place
+    # change right after `to` returned reached about one in five 8 MB copies before this wait.
+    return jax.block_until_ready(moved)
 
 
 def gather(

@@ -132,10 +132,15 @@ def test_fields_jax_cannot_hold_are_refused_with_the_fix():
 
 
 def test_fields_are_copied_so_later_changes_to_the_tensors_stay_out():
-    dataset = fd.FederatedDataset.from_tensors({"x": torch.zeros(4, 3)}, torch.arange(4) % 2)
-    on_jax = dataset.to(jax.devices("cpu")[0])  # to_jax shares the tensor's memory; not this
-    dataset.examples["x"] += 1.0
-    assert float(np.abs(np.asarray(on_jax.examples["x"])).max()) == 0.0
+    # to_jax shares the tensor's memory; `to` copies it, and the copy has finished when `to`
+    # returns: 8 MB fields, as the copies ran asynchronously, were reached by a change right
+    # after `to` in about one try of five.
+    for _ in range(20):
+        examples = {"x": torch.zeros(2000, 1000)}
+        dataset = fd.FederatedDataset.from_tensors(examples, torch.arange(2000) % 2)
+        on_jax = dataset.to(jax.devices("cpu")[0])
+        dataset.examples["x"] += 1.0
+        assert float(np.abs(np.asarray(on_jax.examples["x"])).max()) == 0.0
 
 
 @pytest.mark.parametrize("device", [0, 1])
