@@ -2,8 +2,8 @@
 process, on the chip (or the CPU).
 
     python -m benchmarks.studies.bench_conv_lowering [--device tpu] [--rows 50:highest ...]
-        [--chunks K ...] [--grouped G ...] [--packed G ...] [--reps N] [--until SECONDS]
-        [--out FILE] [--profile]
+        [--chunks K ...] [--grouped G ...] [--packed G ...] [--unroll U ...] [--reps N]
+        [--until SECONDS] [--out FILE] [--profile]
 
 The round is the "accelerator" case's CNN row (pfl-research's CIFAR10 simple_cnn, 5 local SGD
 steps of 10 images per client, `from_torch` + `local_training`; `workloads.accelerator`). A row
@@ -19,6 +19,8 @@ the same `jax.default_matmul_precision`). Variants, each from the same server pa
   grouped (as vmap leaves them);
 * "packed:G" (`--packed G ...`): `map_reduce(strategy="packed", chunk_size=G)`: G clients at
   a time packed into their channels, each convolution one dense block-diagonal convolution;
+* "packed:G:uU" (`--unroll U ...`, with `--packed G`): the same, the local steps' loop
+  unrolled U steps an iteration (`local_training(..., unroll=U)`);
 * "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), as
   the frontend compiles it for the device.
 
@@ -67,9 +69,15 @@ TOP_OPS = 12
 
 
 def _variants(
-    cfg: acc.AcceleratorConfig, chunks: list[int], grouped: list[int], packed: list[int]
+    cfg: acc.AcceleratorConfig,
+    chunks: list[int],
+    grouped: list[int],
+    packed: list[int],
+    unrolls: list[int],
 ) -> dict[str, Callable[[], Any]]:
     """Each variant as a zero-argument round from the same server parameters."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -81,10 +89,12 @@ def _variants(
     data = acc._jax_tree(batches, cfg.device)
     precision = acc.JAX_PRECISION[cfg.precision]
 
-    def chunked(size: int, strategy: Any = "chunks") -> Callable[..., Any]:
+    def chunked(size: int, strategy: Any = "chunks", unroll: int = 1) -> Callable[..., Any]:
+        client = dataclasses.replace(local, unroll=unroll)
+
         def round_(p: Any, d: Any) -> Any:
             delta = jax_core.map_reduce(
-                lambda s, b: local(s, b)["delta"], p, d, strategy=strategy, chunk_size=size
+                lambda s, b: client(s, b)["delta"], p, d, strategy=strategy, chunk_size=size
             )
             return jax.tree.map(jnp.add, p, delta)
 
@@ -102,6 +112,8 @@ def _variants(
     for size in packed:
         if size < cfg.clients:
             programs[f"packed:{size}"] = chunked(size, "packed")
+            for unroll in unrolls:
+                programs[f"packed:{size}:u{unroll}"] = chunked(size, "packed", unroll)
 
     def call(fn: Callable[..., Any]) -> Callable[[], Any]:
         jitted = jax.jit(fn)
@@ -182,13 +194,14 @@ def _row(
     chunks: list[int],
     grouped: list[int],
     packed: list[int],
+    unrolls: list[int],
     until: float,
     profile: bool,
 ) -> list[dict[str, Any]]:
     cfg = acc.AcceleratorConfig("cnn", clients, device=device, precision=precision)
     flops = acc.flops(cfg)
     peak = acc.device_peak(device).get("peak_flop_per_s")
-    calls = _variants(cfg, chunks, grouped, packed)
+    calls = _variants(cfg, chunks, grouped, packed, unrolls)
     results: dict[str, dict[str, Any]] = {}
     reference: list[np.ndarray] | None = None
     for name, fn in calls.items():
@@ -269,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", nargs="*", type=int, default=[100])
     parser.add_argument("--grouped", nargs="*", type=int, default=[], help="chunks of G")
     parser.add_argument("--packed", nargs="*", type=int, default=[], help="packed chunks of G")
+    parser.add_argument(
+        "--unroll", nargs="*", type=int, default=[], help="packed, local steps unrolled U a loop"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--until", type=float, default=float("inf"))
     parser.add_argument("--out", default=None)
@@ -290,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             args.chunks,
             args.grouped,
             args.packed,
+            args.unroll,
             until,
             args.profile,
         )

@@ -33,6 +33,7 @@ class LocalTraining:
         returning one.
       steps: the number of local steps (the leading dimension of each client's batch stack).
       prox_mu: FedProx's coefficient `mu` of `mu / 2 * ||w - w_round||^2`; 0.0 for none.
+      unroll: the steps per iteration of the `lax.scan` loop (its `unroll`); True: all.
 
     Example:
       >>> local = alg.local_training(jax_loss, optax.sgd(0.1), steps=2)
@@ -46,6 +47,7 @@ class LocalTraining:
     optimizer: optax.GradientTransformation | OptimizerFactory
     steps: int
     prox_mu: float = 0.0
+    unroll: int | bool = 1
 
     @property
     def takes_hparams(self) -> bool:
@@ -85,7 +87,7 @@ class LocalTraining:
         # A fresh inner-optimizer state every round: the server sends parameters only.
         with jax.numpy_dtype_promotion("standard"):
             state = optimizer.init(params)
-        (trained, _), losses = jax.lax.scan(step, (params, state), batches)
+        (trained, _), losses = jax.lax.scan(step, (params, state), batches, unroll=self.unroll)
         delta = jax.tree.map(jnp.subtract, trained, params)
         return {"delta": delta, "loss": jnp.mean(losses), "first_loss": losses[0]}
 
@@ -96,6 +98,7 @@ def local_training(
     steps: int,
     *,
     prox_mu: float = 0.0,
+    unroll: int | bool = 1,
 ) -> LocalTraining:
     """The client side of FedAvg, FedOpt, FedProx and DiLoCo: `steps` local optimizer steps.
 
@@ -116,6 +119,11 @@ def local_training(
       steps: the number of local steps, >= 1; each client's batch stack has leading
         dimension `steps`.
       prox_mu: FedProx's proximal coefficient, >= 0 (0 disables it).
+      unroll: how many steps each iteration of the steps' loop runs, as `jax.lax.scan`'s
+        `unroll` (an int >= 1; True: the loop unrolled whole). The values are the same; a
+        larger unroll gives XLA one program of several steps to schedule at a time (fewer
+        loop iterations, and their per-iteration cost, on an accelerator) for a longer
+        compile. The default, 1, keeps the loop rolled.
 
     Returns:
       A `LocalTraining`, the client function to give `outer_step`, `mean_delta`,
@@ -124,7 +132,8 @@ def local_training(
 
     Raises:
       TypeError: `loss` or `optimizer` is not callable / an optax transformation.
-      ValueError: `steps` is not an int >= 1, or `prox_mu` is negative or not a number.
+      ValueError: `steps` or `unroll` is not an int >= 1 (or a bool for `unroll`), or
+        `prox_mu` is negative or not a number.
 
     Example:
       >>> loss = bridge_mr.from_torch(client_loss)  # client_loss: torch code
@@ -134,6 +143,8 @@ def local_training(
       >>> fedprox = alg.local_training(loss, lambda lr: optax.sgd(lr), steps=5, prox_mu=0.01)
       >>> fedprox.prox_mu, fedprox.takes_hparams  # hparams=lr in each round's call
       (0.01, True)
+      >>> alg.local_training(loss, optax.sgd(0.1), steps=5, unroll=True).unroll  # no loop
+      True
     """
     if not callable(loss):
         raise TypeError(
@@ -156,7 +167,13 @@ def local_training(
             f"local_training(prox_mu=...): expected a number >= 0 (0 disables FedProx's "
             f"proximal term), got {prox_mu!r}."
         )
-    return LocalTraining(loss, optimizer, steps, float(prox_mu))
+    if not isinstance(unroll, int) or (not isinstance(unroll, bool) and unroll < 1):
+        raise ValueError(
+            f"local_training(unroll=...): expected an int >= 1 (local steps per loop "
+            f"iteration) or a bool (True: the loop unrolled whole), got {unroll!r}. Fix: e.g. "
+            f"unroll={steps} or unroll=True."
+        )
+    return LocalTraining(loss, optimizer, steps, float(prox_mu), unroll)
 
 
 def check_batch_stack(batches: PyTree, steps: int, name: str, *, axis: int = 0) -> None:

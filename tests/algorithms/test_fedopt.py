@@ -74,12 +74,15 @@ def _run(
     prox_mu: float = 0.0,
     strategy: Any = "vmap",
     chunk_size: int | None = None,
+    unroll: int | bool = 1,
 ) -> None:
     inner, torch_inner, server_factory = CASES[case]
     model = mlp()
     reference = copy.deepcopy(model)
     torch_loss = mse_loss(model)
-    local = alg.local_training(bridge_mr.from_torch(torch_loss), inner, STEPS, prox_mu=prox_mu)
+    local = alg.local_training(
+        bridge_mr.from_torch(torch_loss), inner, STEPS, prox_mu=prox_mu, unroll=unroll
+    )
     params = dict(model.named_parameters())
     ref_params = dict(reference.named_parameters())
     server_opt = server_factory(list(params.values()))
@@ -131,6 +134,23 @@ def test_strategies_equal_the_torch_loop(strategy: str, chunk_size: int | None) 
     _run("diloco", strategy=strategy, chunk_size=chunk_size)
 
 
+@pytest.mark.parametrize("unroll", [2, True])
+def test_unrolled_steps_equal_the_torch_loop(unroll: int | bool) -> None:
+    _run("diloco", unroll=unroll)  # 3 steps: with 2 a step, a remainder of 1
+
+
+def test_unroll_reaches_the_steps_loop() -> None:
+    def loss(params: jax.Array, batch: jax.Array) -> jax.Array:
+        return jnp.sum((batch - params) ** 2)
+
+    for unroll, want in ((1, 1), (2, 2), (True, 4)):  # True: all 4 steps
+        local = alg.local_training(loss, optax.sgd(0.1), steps=4, unroll=unroll)
+        jaxpr = jax.make_jaxpr(local)(jnp.zeros(3), jnp.ones((4, 3)))
+        (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        assert scan.params["unroll"] == want
+
+
+@pytest.mark.slow
 def test_a_jax_loss_and_the_first_loss() -> None:
     def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
         return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
@@ -213,6 +233,9 @@ def test_bad_arguments_are_named() -> None:
         alg.local_training(loss, optax.sgd(0.1), steps=0)
     with pytest.raises(ValueError, match=r"prox_mu"):
         alg.local_training(loss, optax.sgd(0.1), steps=1, prox_mu=-1.0)
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match=r"unroll=\.\.\.\): expected an int >= 1.*got"):
+            alg.local_training(loss, optax.sgd(0.1), steps=1, unroll=bad)  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"optimizer"):
         alg.local_training(loss, 0.1, steps=1)  # pyright: ignore[reportArgumentType]
     local = alg.local_training(loss, optax.sgd(0.1), steps=4)
