@@ -150,7 +150,6 @@ def test_unroll_reaches_the_steps_loop() -> None:
         assert scan.params["unroll"] == want
 
 
-@pytest.mark.slow
 def test_a_jax_loss_and_the_first_loss() -> None:
     def loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
         return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
