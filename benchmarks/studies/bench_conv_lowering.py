@@ -2,8 +2,8 @@
 process, on the chip (or the CPU).
 
     python -m benchmarks.studies.bench_conv_lowering [--device tpu] [--rows 50:highest ...]
-        [--chunks K ...] [--grouped G ...] [--packed G ...] [--unroll U ...] [--reps N]
-        [--until SECONDS] [--out FILE] [--profile]
+        [--chunks K ...] [--grouped G ...] [--packed G ...] [--unroll U ...] [--convolutions]
+        [--reps N] [--until SECONDS] [--out FILE] [--profile]
 
 The round is the "accelerator" case's CNN row (pfl-research's CIFAR10 simple_cnn, 5 local SGD
 steps of 10 images per client, `from_torch` + `local_training`; `workloads.accelerator`). A row
@@ -21,6 +21,10 @@ the same `jax.default_matmul_precision`). Variants, each from the same server pa
   a time packed into their channels, each convolution one dense block-diagonal convolution;
 * "packed:G:uU" (`--unroll U ...`, with `--packed G`): the same, the local steps' loop
   unrolled U steps an iteration (`local_training(..., unroll=U)`);
+* "packed:G:conv" (`--convolutions`, with `--packed G`): "packed:G" with every convolution
+  kept one (traced with `jax_core.settings.PACKED_PATCH_FEATURES` 0: on a TPU at "highest" the
+  strategy otherwise computes the images' convolution and its kernel gradient as products of
+  patches);
 * "bridge_mr": the documented torch round (`outer_step`, host tensors, strategy "auto"), as
   the frontend compiles it for the device.
 
@@ -74,6 +78,7 @@ def _variants(
     grouped: list[int],
     packed: list[int],
     unrolls: list[int],
+    convolutions: bool = False,
 ) -> dict[str, Callable[[], Any]]:
     """Each variant as a zero-argument round from the same server parameters."""
     import dataclasses
@@ -82,6 +87,7 @@ def _variants(
     import jax.numpy as jnp
 
     from bridge_mr import jax_core
+    from bridge_mr.jax_core import settings
 
     program, params, batches, names = acc._round_program(cfg)
     local = acc._local(cfg, acc.build_model(cfg.model))
@@ -89,13 +95,20 @@ def _variants(
     data = acc._jax_tree(batches, cfg.device)
     precision = acc.JAX_PRECISION[cfg.precision]
 
-    def chunked(size: int, strategy: Any = "chunks", unroll: int = 1) -> Callable[..., Any]:
+    def chunked(
+        size: int, strategy: Any = "chunks", unroll: int = 1, patches: bool = True
+    ) -> Callable[..., Any]:
         client = dataclasses.replace(local, unroll=unroll)
 
         def round_(p: Any, d: Any) -> Any:
-            delta = jax_core.map_reduce(
-                lambda s, b: client(s, b)["delta"], p, d, strategy=strategy, chunk_size=size
-            )
+            few = settings.PACKED_PATCH_FEATURES
+            settings.PACKED_PATCH_FEATURES = few if patches else 0  # read while it traces
+            try:
+                delta = jax_core.map_reduce(
+                    lambda s, b: client(s, b)["delta"], p, d, strategy=strategy, chunk_size=size
+                )
+            finally:
+                settings.PACKED_PATCH_FEATURES = few
             return jax.tree.map(jnp.add, p, delta)
 
         return round_
@@ -114,6 +127,8 @@ def _variants(
             programs[f"packed:{size}"] = chunked(size, "packed")
             for unroll in unrolls:
                 programs[f"packed:{size}:u{unroll}"] = chunked(size, "packed", unroll)
+            if convolutions:
+                programs[f"packed:{size}:conv"] = chunked(size, "packed", patches=False)
 
     def call(fn: Callable[..., Any]) -> Callable[[], Any]:
         jitted = jax.jit(fn)
@@ -197,11 +212,12 @@ def _row(
     unrolls: list[int],
     until: float,
     profile: bool,
+    convolutions: bool = False,
 ) -> list[dict[str, Any]]:
     cfg = acc.AcceleratorConfig("cnn", clients, device=device, precision=precision)
     flops = acc.flops(cfg)
     peak = acc.device_peak(device).get("peak_flop_per_s")
-    calls = _variants(cfg, chunks, grouped, packed, unrolls)
+    calls = _variants(cfg, chunks, grouped, packed, unrolls, convolutions)
     results: dict[str, dict[str, Any]] = {}
     reference: list[np.ndarray] | None = None
     for name, fn in calls.items():
@@ -285,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--unroll", nargs="*", type=int, default=[], help="packed, local steps unrolled U a loop"
     )
+    parser.add_argument(
+        "--convolutions", action="store_true", help="packed, every convolution kept one"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--until", type=float, default=float("inf"))
     parser.add_argument("--out", default=None)
@@ -309,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
             args.unroll,
             until,
             args.profile,
+            args.convolutions,
         )
     lines = [
         "| row | variant | first call s | median | TFLOP/s | of the peak | of the precision's "

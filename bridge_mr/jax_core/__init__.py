@@ -1,5 +1,6 @@
 """Placement-aware MapReduce primitives in plain JAX (usable without torch)."""
 
+from . import settings as settings
 from ._api import broadcast as broadcast
 from ._api import map_fn as map_fn
 from ._api import reduce_mean as reduce_mean
@@ -54,6 +55,7 @@ __all__ = [
     "reduce_mean",
     "reduce_sum",
     "reduce_weighted_mean",
+    "settings",
     "sum_p",
     "vmap_packed",
 ]

@@ -14,11 +14,12 @@ the next, in the layout a TPU's matrix unit takes. A flatten of packed activatio
 as they are (`_lanes.Lanes`), and the linear layer after it runs as dense products over the
 packed channels, its weights carried in the same form from one local step to the next; everything
 else (other matrix products) runs as vmap runs it, on the stacked form. On a TPU a max-pool
-whose windows tile its input, and its gradient, run as a reshape and a max (`_windows`).
+whose windows tile its input runs as a reshape and a max (`_windows`), and at "highest" a
+convolution of images (few features) as a product of its patches (`_patched`).
 
 The dense convolutions do G times the arithmetic of the clients' own (the zero blocks), in G
 times fewer and wider products: a CNN's 3 to 64 channels leave most of a TPU v5e's 128 lanes
-idle, so two clients at a time measured faster than one (docs/performance.md). The zero blocks
+idle; two clients at a time measured faster than one (docs/performance.md). The zero blocks
 add exact zeros, so each client's values are its own within the rounding of a sum in another
 order; but a NaN or an infinity in one client's activations turns the products with its zero
 blocks into NaN, so it spreads to the other clients of its chunk.
@@ -41,6 +42,7 @@ from . import _lanes
 from ._blocks import block_diagonal, diagonal_blocks
 from ._cpu import has_convolution
 from ._lanes import STACKED, Lanes
+from ._patched import convolution as patched
 from ._windows import lowering
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -367,7 +369,7 @@ class _Packing:
                 kernel, groups_ = block_diagonal(rhs, rhs_spec[0], rhs_spec[1]), 1
             else:
                 kernel, groups_ = self.convert(rhs, STACKED, rhs_spec[0]), g * groups
-            out = _bind(eqn, [lhs, kernel], feature_group_count=groups_)[0]
+            out = patched(eqn, lhs, kernel, lhs_spec[1], g, feature_group_count=groups_)
             return [(out, out_spec[1])]
         if rhs_form is None or rhs_form == STACKED or groups != 1 or batch_groups != 1:
             return None
@@ -375,7 +377,7 @@ class _Packing:
         # every pair of clients in one dense product, client g's the diagonal block (g, g).
         lhs = self.convert(lhs, lhs_form, lhs_spec[0])
         rhs = self.convert(rhs, rhs_form, rhs_spec[0])
-        full = _bind(eqn, [lhs, rhs])[0]
+        full = patched(eqn, lhs, rhs, lhs_spec[0], g)
         return [(diagonal_blocks(full, out_spec[0], out_spec[1], g), STACKED)]
 
     def dot(self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]) -> list[tuple[Any, Form]] | None:

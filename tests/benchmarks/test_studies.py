@@ -52,7 +52,7 @@ def test_bench_conv_lowering_times_each_lowering_from_the_same_server(
 
     study = benchmark("studies.bench_conv_lowering")
     argv = ["--device", "cpu", "--rows", "2:medium", "--reps", "1", "--chunks", "1"]
-    study.main([*argv, "--grouped", "1", "--packed", "1", "--unroll", "5"])
+    study.main([*argv, "--grouped", "1", "--packed", "1", "--unroll", "5", "--convolutions"])
     out = capsys.readouterr().out
     # The "medium" row's torch round ran at "medium"; the process's setting is as it was (a
     # leaked "medium" moved the demo's torch baselines, tests/demo, by 2e-4 in CI).
@@ -60,6 +60,7 @@ def test_bench_conv_lowering_times_each_lowering_from_the_same_server(
     rows = [line for line in out.splitlines() if line.startswith("| cnn/c2/medium |")]
     variants = [row.split("|")[2].strip() for row in rows]
     want = ["pure_jax", "matmul", "matmul:chunks:1", "chunks:1", "packed:1", "packed:1:u5"]
+    want.append("packed:1:conv")
     assert variants == [*want, "bridge_mr"], out
     for row in rows:  # Each variant's round against pure JAX's, from the same parameters.
         assert float(row.split("|")[8]) < 1e-5, row

@@ -21,7 +21,9 @@ from helpers import assert_trees_all_close
 from helpers.jax_precision import float32_and_float64
 from jax import lax
 
+import bridge_mr.jax_core.settings as jax_core_settings
 from bridge_mr import jax_core as mr
+from bridge_mr.jax_core import _patched
 
 
 def _random_convolution(rng: np.random.Generator, dtype: type, clients: int):
@@ -393,6 +395,69 @@ def test_on_a_tpu_the_max_pool_is_a_reshape(platform):
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     windows = text.count("stablehlo.reduce_window") + text.count("stablehlo.select_and_scatter")
     assert (windows == 0) == (platform == "tpu"), windows
+
+
+@pytest.mark.parametrize(
+    ("platform", "precision", "features", "convolutions"),
+    [
+        ("tpu", "highest", 4, 1),
+        ("tpu", "highest", 3, 3),
+        ("tpu", "highest", 0, 5),
+        ("cpu", "highest", 4, 5),
+        ("tpu", None, 4, 5),
+        ("tpu", "bfloat16", 4, 5),
+    ],
+)
+def test_on_a_tpu_at_highest_convolutions_of_few_features_are_patch_products(
+    platform, precision, features, convolutions, monkeypatch
+):
+    """A step has five convolutions: the first's forward and kernel gradient (3 features a
+    client) and the second's (4) become products on a TPU at "highest" (jax_core._patched),
+    where `settings.PACKED_PATCH_FEATURES` (4) allows; the second's input gradient (6 features
+    a client) stays, and so does every one elsewhere."""
+    monkeypatch.setattr(jax_core_settings, "PACKED_PATCH_FEATURES", features)
+    server, data = _cnn_case(jnp.float32, clients=4)
+    per_client = jax.tree.map(lambda a: jnp.stack([a] * 4), server)
+    with jax.default_matmul_precision(precision):
+        traced = jax.jit(mr.vmap_packed(_local, 4)).trace(per_client, data)
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert text.count("stablehlo.convolution") == convolutions
+
+
+def test_a_convolution_whose_own_precision_is_highest_is_a_product_on_a_tpu():
+    x, k = jnp.ones((2, 3, 3, 6, 6)), jnp.ones((2, 4, 3, 3, 3))
+    for precision, convolutions in ((lax.Precision.HIGHEST, 0), (lax.Precision.HIGH, 1)):
+        conv = lambda x, k, p=precision: lax.conv(x, k, (1, 1), "VALID", precision=p)
+        text = jax.jit(mr.vmap_packed(conv, 2)).trace(x, k).lower(lowering_platforms=("tpu",))
+        assert text.as_text().count("stablehlo.convolution") == convolutions
+
+
+@float32_and_float64(CNN_FLOAT32, 1e-12)
+def test_the_patch_products_and_their_gradients_equal_vmap(dtype, close, monkeypatch):
+    """The TPU's form run here: `lax.platform_dependent` takes its `tpu` branch and the rule
+    holds at any precision and type; four of the five convolutions a step are products."""
+    monkeypatch.setattr(lax, "platform_dependent", lambda *a, tpu, default: tpu(*a))
+    monkeypatch.setattr(_patched, "at_highest", lambda *_: True)
+    server, data = _cnn_case(dtype, clients=3)
+    per_client = jax.tree.map(
+        lambda a: a * jnp.arange(1, 4, dtype=dtype).reshape(-1, *[1] * a.ndim), server
+    )
+    text = jax.jit(mr.vmap_packed(_local, 3)).lower(per_client, data).as_text()
+    assert text.count("stablehlo.convolution") == 1
+    assert_trees_all_close(
+        jax.jit(mr.vmap_packed(_local, 3))(per_client, data),
+        jax.vmap(_local)(per_client, data),
+        **close,
+    )
+
+    def total(run, p):
+        out = run(p, data)
+        return jnp.sum(out["loss"]) + sum(
+            jnp.sum(jnp.sin(d)) for d in jax.tree.leaves(out["delta"])
+        )
+
+    got = jax.jit(jax.grad(lambda p: total(mr.vmap_packed(_local, 3), p)))(per_client)
+    assert_trees_all_close(got, jax.grad(lambda p: total(jax.vmap(_local), p))(per_client), **close)
 
 
 def test_a_nan_spreads_within_its_chunk_only():

@@ -207,7 +207,8 @@ def _cnn_round_case() -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[st
 )
 def test_per_client_convolutions_on_the_chip_equal_the_cpu(strategy: str, chunk_size: Any) -> None:
     """A FedAvg round of a from_torch CNN (per-client kernels after the first local step, which
-    vmap groups and "packed" runs as dense block-diagonal convolutions; auto picks "packed"
+    vmap groups and "packed" runs as dense block-diagonal convolutions, at "highest" the
+    images' convolution and its kernel's gradient as products of patches; auto picks "packed"
     there): on the chip, at "highest", the CPU's values."""
     optax = pytest.importorskip("optax")
     net, params, data = _cnn_round_case()
