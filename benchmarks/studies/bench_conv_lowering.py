@@ -96,13 +96,13 @@ def _variants(
     precision = acc.JAX_PRECISION[cfg.precision]
 
     def chunked(
-        size: int, strategy: Any = "chunks", unroll: int = 1, patches: bool = True
+        size: int, strategy: Any = "chunks", unroll: int = 1, convolutions: bool = False
     ) -> Callable[..., Any]:
         client = dataclasses.replace(local, unroll=unroll)
 
         def round_(p: Any, d: Any) -> Any:
             few = settings.PACKED_PATCH_FEATURES
-            settings.PACKED_PATCH_FEATURES = few if patches else 0  # read while it traces
+            settings.PACKED_PATCH_FEATURES = 0 if convolutions else few  # read while it traces
             try:
                 delta = jax_core.map_reduce(
                     lambda s, b: client(s, b)["delta"], p, d, strategy=strategy, chunk_size=size
@@ -128,7 +128,7 @@ def _variants(
             for unroll in unrolls:
                 programs[f"packed:{size}:u{unroll}"] = chunked(size, "packed", unroll)
             if convolutions:
-                programs[f"packed:{size}:conv"] = chunked(size, "packed", patches=False)
+                programs[f"packed:{size}:conv"] = chunked(size, "packed", convolutions=True)
 
     def call(fn: Callable[..., Any]) -> Callable[[], Any]:
         jitted = jax.jit(fn)

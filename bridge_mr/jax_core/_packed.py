@@ -42,7 +42,7 @@ from . import _lanes
 from ._blocks import block_diagonal, diagonal_blocks
 from ._cpu import has_convolution
 from ._lanes import STACKED, Lanes
-from ._patched import convolution as patched
+from ._patched import convolution as patched_convolution
 from ._windows import lowering
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -369,7 +369,7 @@ class _Packing:
                 kernel, groups_ = block_diagonal(rhs, rhs_spec[0], rhs_spec[1]), 1
             else:
                 kernel, groups_ = self.convert(rhs, STACKED, rhs_spec[0]), g * groups
-            out = patched(eqn, lhs, kernel, lhs_spec[1], g, feature_group_count=groups_)
+            out = patched_convolution(eqn, lhs, kernel, lhs_spec[1], g, feature_group_count=groups_)
             return [(out, out_spec[1])]
         if rhs_form is None or rhs_form == STACKED or groups != 1 or batch_groups != 1:
             return None
@@ -377,7 +377,7 @@ class _Packing:
         # every pair of clients in one dense product, client g's the diagonal block (g, g).
         lhs = self.convert(lhs, lhs_form, lhs_spec[0])
         rhs = self.convert(rhs, rhs_form, rhs_spec[0])
-        full = patched(eqn, lhs, rhs, lhs_spec[0], g)
+        full = patched_convolution(eqn, lhs, rhs, lhs_spec[0], g)
         return [(diagonal_blocks(full, out_spec[0], out_spec[1], g), STACKED)]
 
     def dot(self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]) -> list[tuple[Any, Form]] | None:

@@ -10,18 +10,21 @@ against 73.8 ms at 50 (side by side: benchmarks/results/tpu_v5e/bench_image_patc
 "medium" (one bfloat16 pass) the same change to a hand-written packed round was slower (135
 against 124 ms at 500 clients), and patches for the second convolution too (32 channels a
 client) gained 3% more at "highest" but lost 48% at "medium", so the rule is narrow: a dense
-convolution (no feature or batch groups) of float32 operands whose input has at most
-`settings.PACKED_PATCH_FEATURES` features a client, at "highest" (the convolution's
-`precision`, else `jax.default_matmul_precision`), on a TPU only (`lax.platform_dependent`).
-The slices are exact; the product adds the convolution's terms in another order.
+convolution (no feature or batch groups, no output sharding) of float32 operands whose input
+has at most `settings.PACKED_PATCH_FEATURES` features a client, whose patches are at most
+`MAX_SLICES` slices and not empty, at "highest" (the convolution's `precision`, which JAX sets
+from `jax.default_matmul_precision` as it traces; an algorithm preset is not read as
+"highest"). The patch form is traced on every platform but runs on a TPU only
+(`lax.platform_dependent`). The slices are exact; the product adds the convolution's terms in
+another order.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core
@@ -29,8 +32,10 @@ from jax.extend import core
 from . import settings
 from ._grouped import grouped_convolution
 
-#: `jax.default_matmul_precision`'s names for float32's full precision.
-_HIGHEST_NAMES = ("highest", "float32")
+#: The most strided slices a convolution's patches are made of (the fewer of its window offsets
+#: and output positions): the measured kernels were 3 x 3; a larger window copies the input
+#: more times (a 7 x 7 kernel: 49) and is not measured.
+MAX_SLICES = 9
 
 
 def convolution(eqn: core.JaxprEqn, lhs: Any, rhs: Any, dim: int, size: int, **changed: Any) -> Any:
@@ -38,16 +43,22 @@ def convolution(eqn: core.JaxprEqn, lhs: Any, rhs: Any, dim: int, size: int, **c
     its params updated by `changed`: as patches and a product on a TPU where the rule (see the
     module) holds; elsewhere, the convolution."""
     params = {**eqn.params, **changed}
-    features = lhs.shape[dim] // size
+    _, rhs_spec, out_spec = params["dimension_numbers"]
+    window = [rhs.shape[d] for d in rhs_spec[2:]]
+    out: Any = eqn.outvars[0].aval  # a ShapedArray; the packing keeps its spatial sizes
+    outs = [out.shape[d] for d in out_spec[2:]]
 
     def bound(lhs: Any, rhs: Any) -> Any:
         with eqn.ctx.manager:
             return eqn.primitive.bind(lhs, rhs, **eqn.primitive.get_bind_params(params))
 
     if (
-        features > settings.PACKED_PATCH_FEATURES
+        lhs.shape[dim] // size > settings.PACKED_PATCH_FEATURES
         or params["feature_group_count"] != 1
         or params["batch_group_count"] != 1
+        or params.get("out_sharding") is not None
+        or min(outs, default=1) <= 0
+        or min(math.prod(window), math.prod(outs)) > MAX_SLICES
         or not at_highest(params["precision"], lhs.dtype, rhs.dtype)
     ):
         return bound(lhs, rhs)
@@ -56,12 +67,9 @@ def convolution(eqn: core.JaxprEqn, lhs: Any, rhs: Any, dim: int, size: int, **c
 
 
 def at_highest(precision: Any, *dtypes: Any) -> bool:
-    """Whether a product of operands of these types at `precision` (an equation's: None, or a
-    pair of `lax.Precision`) is float32's at its full precision."""
+    """Whether a product of operands of these types at `precision` (an equation's, as JAX
+    traced it: None, a pair of `lax.Precision` or an algorithm preset) is float32's at its full
+    precision."""
     if any(jnp.dtype(d) != jnp.float32 for d in dtypes):
         return False
-    if precision is None:
-        default = jax.config.jax_default_matmul_precision  # pyright: ignore[reportAttributeAccessIssue]
-        return default in _HIGHEST_NAMES
-    pair = precision if isinstance(precision, tuple) else (precision, precision)
-    return all(p == lax.Precision.HIGHEST for p in pair)
+    return isinstance(precision, tuple) and all(p == lax.Precision.HIGHEST for p in precision)

@@ -398,25 +398,26 @@ def test_on_a_tpu_the_max_pool_is_a_reshape(platform):
 
 
 @pytest.mark.parametrize(
-    ("platform", "precision", "features", "convolutions"),
+    ("platform", "precision", "dtype", "features", "convolutions"),
     [
-        ("tpu", "highest", 4, 1),
-        ("tpu", "highest", 3, 3),
-        ("tpu", "highest", 0, 5),
-        ("cpu", "highest", 4, 5),
-        ("tpu", None, 4, 5),
-        ("tpu", "bfloat16", 4, 5),
+        ("tpu", "highest", jnp.float32, 4, 1),
+        ("tpu", "highest", jnp.float32, 3, 3),
+        ("tpu", "highest", jnp.float32, 0, 5),
+        ("tpu", "highest", jnp.bfloat16, 4, 5),
+        ("cpu", "highest", jnp.float32, 4, 5),
+        ("tpu", None, jnp.float32, 4, 5),
+        ("tpu", "bfloat16", jnp.float32, 4, 5),
     ],
 )
 def test_on_a_tpu_at_highest_convolutions_of_few_features_are_patch_products(
-    platform, precision, features, convolutions, monkeypatch
+    platform, precision, dtype, features, convolutions, monkeypatch
 ):
     """A step has five convolutions: the first's forward and kernel gradient (3 features a
-    client) and the second's (4) become products on a TPU at "highest" (jax_core._patched),
-    where `settings.PACKED_PATCH_FEATURES` (4) allows; the second's input gradient (6 features
-    a client) stays, and so does every one elsewhere."""
+    client) and the second's (4) become products on a TPU at "highest" for float32 operands
+    (jax_core._patched), where `settings.PACKED_PATCH_FEATURES` (4) allows; the second's input
+    gradient (6 features a client) stays, and so does every one elsewhere."""
     monkeypatch.setattr(jax_core_settings, "PACKED_PATCH_FEATURES", features)
-    server, data = _cnn_case(jnp.float32, clients=4)
+    server, data = _cnn_case(dtype, clients=4)
     per_client = jax.tree.map(lambda a: jnp.stack([a] * 4), server)
     with jax.default_matmul_precision(precision):
         traced = jax.jit(mr.vmap_packed(_local, 4)).trace(per_client, data)
@@ -424,18 +425,41 @@ def test_on_a_tpu_at_highest_convolutions_of_few_features_are_patch_products(
     assert text.count("stablehlo.convolution") == convolutions
 
 
-def test_a_convolution_whose_own_precision_is_highest_is_a_product_on_a_tpu():
-    x, k = jnp.ones((2, 3, 3, 6, 6)), jnp.ones((2, 4, 3, 3, 3))
-    for precision, convolutions in ((lax.Precision.HIGHEST, 0), (lax.Precision.HIGH, 1)):
-        conv = lambda x, k, p=precision: lax.conv(x, k, (1, 1), "VALID", precision=p)
-        text = jax.jit(mr.vmap_packed(conv, 2)).trace(x, k).lower(lowering_platforms=("tpu",))
-        assert text.as_text().count("stablehlo.convolution") == convolutions
+@pytest.mark.parametrize(
+    ("precision", "size", "window", "groups", "convolutions"),
+    [
+        (lax.Precision.HIGHEST, 6, 3, 1, 0),
+        (lax.Precision.HIGH, 6, 3, 1, 1),
+        (lax.Precision.HIGHEST, 12, 5, 1, 1),  # 25 window offsets, 64 outputs: over MAX_SLICES
+        (lax.Precision.HIGHEST, 6, 3, 3, 1),  # grouped
+        (lax.Precision.HIGHEST, 2, 3, 1, 1),  # no output
+    ],
+    ids=["highest", "high", "window_5x5", "grouped", "empty"],
+)
+def test_a_convolution_is_a_product_on_a_tpu_where_the_rule_holds(
+    precision, size, window, groups, convolutions
+):
+    """By the convolution's own precision, its window, its groups and its output's size; each
+    also traces, runs and equals vmap here (the patch form is traced on every platform)."""
+    x = jnp.arange(2 * 3 * 3 * size * size, dtype=jnp.float32).reshape(2, 3, 3, size, size) / 50
+    k = jnp.ones((2, 3, 3 // groups, window, window))
+
+    def conv(x, k):
+        return lax.conv_general_dilated(
+            x, k, (1, 1), "VALID", feature_group_count=groups, precision=precision
+        )
+
+    text = jax.jit(mr.vmap_packed(conv, 2)).trace(x, k).lower(lowering_platforms=("tpu",))
+    assert text.as_text().count("stablehlo.convolution") == convolutions
+    got = jax.jit(mr.vmap_packed(conv, 2))(x, k)
+    assert_trees_all_close(got, jax.vmap(conv)(x, k), rtol=1e-6, atol=1e-6)
 
 
 @float32_and_float64(CNN_FLOAT32, 1e-12)
 def test_the_patch_products_and_their_gradients_equal_vmap(dtype, close, monkeypatch):
-    """The TPU's form run here: `lax.platform_dependent` takes its `tpu` branch and the rule
-    holds at any precision and type; four of the five convolutions a step are products."""
+    """The TPU's form run here: `lax.platform_dependent` takes its `tpu` branch (the max-pool's
+    reshape too, jax_core._windows) and the rule holds at any precision and type; four of the
+    five convolutions a step are products."""
     monkeypatch.setattr(lax, "platform_dependent", lambda *a, tpu, default: tpu(*a))
     monkeypatch.setattr(_patched, "at_highest", lambda *_: True)
     server, data = _cnn_case(dtype, clients=3)
