@@ -173,14 +173,25 @@ CNN_FLOAT32 = 1e-3
 def test_local_training_of_a_cnn_packed_equals_vmap(dtype, close):
     """From shared server parameters (the first step's kernels are every client's) and from
     per-client ones (every step's kernels are the client's own), values and gradients."""
-    server, data = _cnn_case(dtype, clients=3)
-    per_client = jax.tree.map(
-        lambda a: a * jnp.arange(1, 4, dtype=dtype).reshape(-1, *[1] * a.ndim), server
-    )
+    server, per_client, data = _per_client_case(dtype)
     shared = lambda d: _local(server, d)
     assert_trees_all_close(
         jax.jit(mr.vmap_packed(shared, 3))(data), jax.vmap(shared)(data), **close
     )
+    _check_per_client(per_client, data, close)
+
+
+def _per_client_case(dtype):
+    """`_cnn_case` of 3 clients, each client's parameters its own multiple of the server's."""
+    server, data = _cnn_case(dtype, clients=3)
+    per_client = jax.tree.map(
+        lambda a: a * jnp.arange(1, 4, dtype=dtype).reshape(-1, *[1] * a.ndim), server
+    )
+    return server, per_client, data
+
+
+def _check_per_client(per_client, data, close):
+    """`_local` packed against vmap from per-client parameters: values and gradients."""
     assert_trees_all_close(
         jax.jit(mr.vmap_packed(_local, 3))(per_client, data),
         jax.vmap(_local)(per_client, data),
@@ -462,26 +473,10 @@ def test_the_patch_products_and_their_gradients_equal_vmap(dtype, close, monkeyp
     five convolutions a step are products."""
     monkeypatch.setattr(lax, "platform_dependent", lambda *a, tpu, default: tpu(*a))
     monkeypatch.setattr(_patched, "at_highest", lambda *_: True)
-    server, data = _cnn_case(dtype, clients=3)
-    per_client = jax.tree.map(
-        lambda a: a * jnp.arange(1, 4, dtype=dtype).reshape(-1, *[1] * a.ndim), server
-    )
+    _, per_client, data = _per_client_case(dtype)
     text = jax.jit(mr.vmap_packed(_local, 3)).lower(per_client, data).as_text()
     assert text.count("stablehlo.convolution") == 1
-    assert_trees_all_close(
-        jax.jit(mr.vmap_packed(_local, 3))(per_client, data),
-        jax.vmap(_local)(per_client, data),
-        **close,
-    )
-
-    def total(run, p):
-        out = run(p, data)
-        return jnp.sum(out["loss"]) + sum(
-            jnp.sum(jnp.sin(d)) for d in jax.tree.leaves(out["delta"])
-        )
-
-    got = jax.jit(jax.grad(lambda p: total(mr.vmap_packed(_local, 3), p)))(per_client)
-    assert_trees_all_close(got, jax.grad(lambda p: total(jax.vmap(_local), p))(per_client), **close)
+    _check_per_client(per_client, data, close)
 
 
 def test_a_nan_spreads_within_its_chunk_only():
