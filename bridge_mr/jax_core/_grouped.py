@@ -158,15 +158,20 @@ def _pays(rhs: tuple[int, ...], out: tuple[int, ...], params: dict[str, Any]) ->
     groups_f, groups_b = params["feature_group_count"], params["batch_group_count"]
     if groups_f == groups_b == 1:
         return False
-    _, rhs_spec, out_spec = params["dimension_numbers"]
-    window = [rhs[d] for d in rhs_spec[2:]]
-    outs = [out[d] for d in out_spec[2:]]
-    if min(outs, default=1) <= 0:
-        return False
+    _, rhs_spec, _ = params["dimension_numbers"]
     out_per_group = rhs[rhs_spec[0]] // (groups_f * groups_b)
-    contracted = rhs[rhs_spec[1]] * math.prod(window)
-    slices = min(math.prod(window), math.prod(outs))
-    return min(out_per_group, contracted) >= MIN_GROUP_WIDTH and slices <= MAX_PATCH_SLICES
+    contracted = rhs[rhs_spec[1]] * math.prod(rhs[d] for d in rhs_spec[2:])
+    slices = patch_slices(rhs, out, params["dimension_numbers"])
+    return min(out_per_group, contracted) >= MIN_GROUP_WIDTH and 0 < slices <= MAX_PATCH_SLICES
+
+
+def patch_slices(rhs: Sequence[int], out: Sequence[int], dimension_numbers: Any) -> int:
+    """How many strided slices `grouped_convolution` gathers a convolution's patches in, for
+    this kernel shape and output shape: the fewer of its window offsets and output positions
+    (0 for an empty output)."""
+    _, rhs_spec, out_spec = dimension_numbers
+    window = math.prod(rhs[d] for d in rhs_spec[2:])
+    return min(window, math.prod(out[d] for d in out_spec[2:]))
 
 
 def _out_sizes(

@@ -43,6 +43,7 @@ from ._blocks import block_diagonal, diagonal_blocks
 from ._cpu import has_convolution
 from ._lanes import STACKED, Lanes
 from ._patched import convolution as patched_convolution
+from ._rewrite import rebind
 from ._windows import lowering
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,13 +108,6 @@ def vmap_packed(fn: F, size: int) -> F:
     return run  # type: ignore[return-value]
 
 
-def _bind(eqn: core.JaxprEqn, values: Sequence[Any], **changed: Any) -> list[Any]:
-    params = eqn.primitive.get_bind_params({**eqn.params, **changed})
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*values, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 class _Packing:
     """One evaluation of a program for `size` clients; values are (array, form) pairs."""
 
@@ -135,7 +129,7 @@ class _Packing:
         for eqn in jaxpr.eqns:
             ins = [read(a) for a in eqn.invars]
             if all(f is None for _, f in ins):
-                outs: list[tuple[Any, Form]] = [(o, None) for o in _bind(eqn, [v for v, _ in ins])]
+                outs: list[tuple[Any, Form]] = [(o, None) for o in rebind(eqn, [v for v, _ in ins])]
             else:
                 outs = self.rule(eqn, ins)
             for var, out in zip(eqn.outvars, outs, strict=True):
@@ -149,7 +143,7 @@ class _Packing:
         if name not in (*_INLINED, "scan", "custom_jvp_call") and any(
             isinstance(f, Lanes) for _, f in ins
         ):
-            bind = functools.partial(_bind, eqn)
+            bind = functools.partial(rebind, eqn)
             out = _lanes.rule(eqn, ins, self.size, self.convert, bind, _ELEMENTWISE)
             if out is not None:
                 return out
@@ -202,7 +196,7 @@ class _Packing:
         """The equation as `jax.vmap` runs it, on the stacked form (the fallback)."""
         axes = [None if f is None else 0 for _, f in ins]
         values = [v if f is None else self.convert(v, f, STACKED) for v, f in ins]
-        outs = jax.vmap(lambda *a: _bind(eqn, a), in_axes=axes, axis_size=self.size)(*values)
+        outs = jax.vmap(lambda *a: rebind(eqn, a), in_axes=axes, axis_size=self.size)(*values)
         return [(o, STACKED) for o in outs]
 
     # Rules: each returns None where the equation runs as vmap runs it.
@@ -230,7 +224,7 @@ class _Packing:
                 sizes[1 + dim] = shape[dim]
                 v, f = jnp.broadcast_to(v, sizes), STACKED
             values.append(self.convert(v, f, dim))
-        return [(o, dim) for o in _bind(eqn, values)]
+        return [(o, dim) for o in rebind(eqn, values)]
 
     def custom_jvp(
         self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]
@@ -262,7 +256,7 @@ class _Packing:
                 for vs in (primals, tangents)
             ]
             outs, out_tangents = jax.vmap(
-                lambda p, t: jax.jvp(lambda *a: _bind(eqn, a), p, t),
+                lambda p, t: jax.jvp(lambda *a: rebind(eqn, a), p, t),
                 in_axes=(axes, axes),
                 axis_size=self.size,
             )(*stacked)
@@ -292,7 +286,7 @@ class _Packing:
         if not _window_leaves(eqn.params, dim):
             return None
         values = [self.convert(v, f, dim) for v, f in ins[:n]] + [v for v, _ in ins[n:]]
-        return [(o, dim) for o in _bind(eqn, values)]
+        return [(o, dim) for o in rebind(eqn, values)]
 
     def structural(
         self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]
@@ -308,15 +302,15 @@ class _Packing:
         if name == "pad":
             if ins[0][1] != dim or tuple(params["padding_config"][dim]) != (0, 0, 0):
                 return None
-            return [(_bind(eqn, [ins[0][0], ins[1][0]])[0], dim)]
+            return [(rebind(eqn, [ins[0][0], ins[1][0]])[0], dim)]
         if name == "transpose":
-            return [(_bind(eqn, [ins[0][0]])[0], list(params["permutation"]).index(dim))]
+            return [(rebind(eqn, [ins[0][0]])[0], list(params["permutation"]).index(dim))]
         if name in _REDUCTIONS and dim not in params["axes"]:
             new = dim - sum(int(a) < dim for a in params["axes"])
-            return [(_bind(eqn, [ins[0][0]])[0], new)]
+            return [(rebind(eqn, [ins[0][0]])[0], new)]
         if name == "squeeze" and dim not in params["dimensions"]:
             new = dim - sum(int(a) < dim for a in params["dimensions"])
-            return [(_bind(eqn, [ins[0][0]])[0], new)]
+            return [(rebind(eqn, [ins[0][0]])[0], new)]
         if name == "reshape" and params.get("dimensions") is None:
             new_sizes = tuple(params["new_sizes"])
             for d in range(len(new_sizes)):
@@ -324,7 +318,7 @@ class _Packing:
                     shape[:dim]
                 ):
                     sizes = (*new_sizes[:d], g * new_sizes[d], *new_sizes[d + 1 :])
-                    return [(_bind(eqn, [ins[0][0]], new_sizes=sizes)[0], d)]
+                    return [(rebind(eqn, [ins[0][0]], new_sizes=sizes)[0], d)]
             held = _lanes.flattening(shape, dim, new_sizes)  # Kept as it is.
             return None if held is None else [(ins[0][0], held)]
         if name == "broadcast_in_dim":
@@ -333,11 +327,11 @@ class _Packing:
                 return None
             sizes = list(params["shape"])
             sizes[target] *= g
-            return [(_bind(eqn, [ins[0][0]], shape=tuple(sizes))[0], target)]
+            return [(rebind(eqn, [ins[0][0]], shape=tuple(sizes))[0], target)]
         if name == "rev" and dim not in params["dimensions"]:
-            return [(_bind(eqn, [ins[0][0]])[0], dim)]
+            return [(rebind(eqn, [ins[0][0]])[0], dim)]
         if name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
-            return [(_bind(eqn, [ins[0][0]])[0], dim)] if params["axis"] != dim else None
+            return [(rebind(eqn, [ins[0][0]])[0], dim)] if params["axis"] != dim else None
         windowed = name in _WINDOWS or name in ("select_and_gather_add", "select_and_scatter_add")
         if not windowed or not _window_leaves(params, dim):
             return None
@@ -356,7 +350,7 @@ class _Packing:
             if batch_groups != 1:
                 return None
             # A kernel every client shares: the clients side by side in the batch.
-            out = _bind(eqn, [self.convert(lhs, lhs_form, lhs_spec[0]), rhs])[0]
+            out = rebind(eqn, [self.convert(lhs, lhs_form, lhs_spec[0]), rhs])[0]
             return [(out, out_spec[0])]
         if lhs_form is not None and rhs_form in (None, STACKED):
             if batch_groups != 1 or (rhs_form is None and lhs_form != lhs_spec[1]):
@@ -390,10 +384,10 @@ class _Packing:
             for rank, c, b in zip(ranks, (lhs_c, rhs_c), (lhs_b, rhs_b), strict=True)
         ]
         if rhs_form is None and isinstance(lhs_form, int) and lhs_form in free[0]:
-            return [(_bind(eqn, [lhs, rhs])[0], len(lhs_b) + free[0].index(lhs_form))]
+            return [(rebind(eqn, [lhs, rhs])[0], len(lhs_b) + free[0].index(lhs_form))]
         if lhs_form is None and isinstance(rhs_form, int) and rhs_form in free[1]:
             at = len(lhs_b) + len(free[0]) + free[1].index(rhs_form)
-            return [(_bind(eqn, [lhs, rhs])[0], at)]
+            return [(rebind(eqn, [lhs, rhs])[0], at)]
         return None
 
     def scan(self, eqn: core.JaxprEqn, ins: list[tuple[Any, Form]]) -> list[tuple[Any, Form]]:
@@ -487,8 +481,8 @@ def _bind_window(eqn: core.JaxprEqn, values: Sequence[Any]) -> Any:
     reduction (`_windows`: faster there in the packed round)."""
     tiled = lowering(eqn)
     if tiled is None:
-        return _bind(eqn, values)[0]
-    return lax.platform_dependent(*values, tpu=tiled, default=lambda *v: _bind(eqn, v)[0])
+        return rebind(eqn, values)[0]
+    return lax.platform_dependent(*values, tpu=tiled, default=lambda *v: rebind(eqn, v)[0])
 
 
 def _window_leaves(params: dict[str, Any], dim: int) -> bool:

@@ -22,7 +22,6 @@ another order.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -30,7 +29,8 @@ from jax import lax
 from jax.extend import core
 
 from . import settings
-from ._grouped import grouped_convolution
+from ._grouped import grouped_convolution, patch_slices
+from ._rewrite import rebind
 
 #: The most strided slices a convolution's patches are made of (the fewer of its window offsets
 #: and output positions): the measured kernels were 3 x 3; a larger window copies the input
@@ -43,22 +43,18 @@ def convolution(eqn: core.JaxprEqn, lhs: Any, rhs: Any, dim: int, size: int, **c
     its params updated by `changed`: as patches and a product on a TPU where the rule (see the
     module) holds; elsewhere, the convolution."""
     params = {**eqn.params, **changed}
-    _, rhs_spec, out_spec = params["dimension_numbers"]
-    window = [rhs.shape[d] for d in rhs_spec[2:]]
     out: Any = eqn.outvars[0].aval  # a ShapedArray; the packing keeps its spatial sizes
-    outs = [out.shape[d] for d in out_spec[2:]]
+    slices = patch_slices(rhs.shape, out.shape, params["dimension_numbers"])
 
     def bound(lhs: Any, rhs: Any) -> Any:
-        with eqn.ctx.manager:
-            return eqn.primitive.bind(lhs, rhs, **eqn.primitive.get_bind_params(params))
+        return rebind(eqn, [lhs, rhs], **changed)[0]
 
     if (
         lhs.shape[dim] // size > settings.PACKED_PATCH_FEATURES
         or params["feature_group_count"] != 1
         or params["batch_group_count"] != 1
         or params.get("out_sharding") is not None
-        or min(outs, default=1) <= 0
-        or min(math.prod(window), math.prod(outs)) > MAX_SLICES
+        or not 0 < slices <= MAX_SLICES
         or not at_highest(params["precision"], lhs.dtype, rhs.dtype)
     ):
         return bound(lhs, rhs)

@@ -5,7 +5,9 @@ rule maps an equation to the equations that replace it (or None to keep it), and
 applies it to a closed jaxpr and to every jaxpr in its equations' params (scan and while bodies,
 conditionals' branches, nested jits, checkpoints), returning the same object where nothing
 changed. `rewritten` traces a function, rewrites its jaxpr and evaluates that, so the result
-composes with JAX's transformations like the function itself.
+composes with JAX's transformations like the function itself. `rebind` binds one equation's
+primitive again, to other operands or with some params changed (how the packed strategy
+evaluates a program equation by equation).
 """
 
 from __future__ import annotations
@@ -71,6 +73,14 @@ def equations(fn: Callable[..., jax.Array], original: core.JaxprEqn) -> list[cor
         )
         for eqn in small.jaxpr.eqns
     ]
+
+
+def rebind(eqn: core.JaxprEqn, values: Sequence[Any], **changed: Any) -> list[Any]:
+    """`eqn`'s primitive bound to `values`, its params updated by `changed`: its outputs."""
+    params = eqn.primitive.get_bind_params({**eqn.params, **changed})
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _open(jaxpr: core.Jaxpr, rule: Rule) -> core.Jaxpr:
